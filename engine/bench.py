@@ -1,0 +1,97 @@
+"""``kvarn bench``: prefill and decode tokens/s of the real engine path on one model.
+
+Prefill: time to the first token of a prompt of ``prefill_tokens`` tokens (chunked as the
+server does). Decode at depth d: a prompt of d tokens, then ``decode_tokens`` tokens with EOS
+ignored; the rate counts tokens after the first over the time after the first. Prompts are
+fixed pseudo-random token ids (speed does not depend on content).
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from engine.engine import Engine, make_engine
+from engine.loader import LoadedModel
+from engine.request import Request, RequestId, SamplingParams
+from engine.scheduler import SchedulerConfig
+
+_FIRST_ORDINARY_TOKEN = 16
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prefill_tokens: int = 512
+    depths: tuple[int, ...] = (0, 1024, 4096)
+    decode_tokens: int = 64
+    repeats: int = 2
+    seed: int = 0
+
+
+@dataclass
+class BenchReport:
+    model: str
+    compute_dtype: str
+    kv_cache: dict[str, Any]
+    device: str
+    openblas: bool
+    prefill: dict[str, float] = field(default_factory=dict)
+    decode: list[dict[str, float]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_markdown(self) -> str:
+        head = (f"model `{self.model}`, compute {self.compute_dtype}, KV {self.kv_cache['scheme']} "
+                f"({self.kv_cache['dtype']}), device {self.device}, OpenBLAS {'on' if self.openblas else 'off'}")
+        rows = [f"| prefill {int(self.prefill['tokens'])} tokens | {self.prefill['tokens_per_s']:.1f} tok/s |"]
+        rows += [f"| decode at depth {int(d['depth'])} | {d['tokens_per_s']:.1f} tok/s |" for d in self.decode]
+        return "\n".join([head, "", "| measurement | rate |", "|---|---|", *rows]) + "\n"
+
+
+def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(max(length, 1))]
+
+
+def _timed_request(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """Run one request alone; return (time to first token, time after it, tokens after it)."""
+    request = Request(RequestId(f"bench-{time.monotonic_ns()}"), prompt,
+                      SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    engine.add_request(request)
+    start = time.perf_counter()
+    first = None
+    while engine.has_work():
+        engine.step()
+        if first is None and request.output_ids:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return first - start, end - first, len(request.output_ids) - 1
+
+
+def run_bench(loaded: LoadedModel, config: BenchConfig, openblas: bool,
+              progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=1))
+    rng = random.Random(config.seed)
+    report = BenchReport(loaded.model_id, loaded.compute_dtype, engine.layout.describe(loaded.fingerprint),
+                         f"{mx.default_device()} ({platform.machine()})", openblas)
+    _timed_request(engine, _prompt(rng, 64, loaded.vocab_size), 4)  # warm-up
+    best = min(_timed_request(engine, _prompt(rng, config.prefill_tokens, loaded.vocab_size), 1)[0]
+               for _ in range(config.repeats))
+    report.prefill = {"tokens": config.prefill_tokens, "seconds": best, "tokens_per_s": config.prefill_tokens / best}
+    progress(f"prefill {config.prefill_tokens}: {report.prefill['tokens_per_s']:.1f} tok/s")
+    for depth in config.depths:
+        depth = min(depth, loaded.context_length - config.decode_tokens - 1)
+        runs = [_timed_request(engine, _prompt(rng, depth, loaded.vocab_size), config.decode_tokens)
+                for _ in range(config.repeats)]
+        _, seconds, tokens = min(runs, key=lambda r: r[1] / max(r[2], 1))
+        report.decode.append({"depth": max(depth, 1), "tokens": tokens, "seconds": seconds,
+                              "tokens_per_s": tokens / seconds})
+        progress(f"decode at depth {depth}: {tokens / seconds:.1f} tok/s")
+    return report

@@ -1,0 +1,113 @@
+"""Requests and their sampling parameters: the one mutable per-request record of the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NewType
+
+RequestId = NewType("RequestId", str)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Validated by the server; the engine trusts it.
+
+    Invariants: ``max_tokens >= 1``; ``temperature == 0`` means greedy; ``top_k == 0``,
+    ``top_p == 1`` and ``min_p == 0`` switch their filters off; ``seed`` makes sampling
+    reproducible for this request whatever else runs beside it.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    """A prompt and its generated tokens.
+
+    ``num_computed_tokens`` counts tokens already in the KV cache: prompt tokens during
+    prefill, then ``len(prompt_ids) + len(output_ids) - 1`` while decoding (the newest
+    sampled token is fed at the next step).
+    """
+
+    request_id: RequestId
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token with its log-probability under the model, and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request: new text, new tokens, and the end if any."""
+
+    request_id: RequestId
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,57 @@
+"""What the scheduler asks of the model runner for one step, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import RequestId, TokenLogprob
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens ``[start_idx, end_idx)`` of one request; ``is_last`` samples a token.
+
+    prompt:  |<- computed ->|<-- this chunk -->|<- later chunks ->|
+             0          start_idx          end_idx           len(prompt)
+    """
+
+    request_id: RequestId
+    start_idx: int
+    end_idx: int
+    is_last: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end_idx - self.start_idx
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step: rows to free first, prompt chunks to prefill, rows to decode one token."""
+
+    prefills: tuple[PrefillChunk, ...] = ()
+    decodes: tuple[RequestId, ...] = ()
+    freed: tuple[RequestId, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes and not self.freed
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    request_id: RequestId
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Sampled tokens by request, and requests whose forward pass failed (with the reason)."""
+
+    sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
+    failed: dict[RequestId, str] = field(default_factory=dict)

@@ -1,0 +1,159 @@
+"""The ``kvarn`` command: ``serve``, ``run`` and ``bench``.
+
+MLX is imported only after the OpenBLAS re-exec (``server.blas``), so every subcommand gets
+the fast BLAS on Linux when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from server.blas import maybe_reexec_with_openblas, openblas_active
+from server.config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+
+_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="local mlx-lm model folder (bf16, fp16 or mlx-quantized); default: the bundled "
+                        "fixture-chat-29m-q8")
+    p.add_argument("--dtype", choices=_DTYPES, default="auto",
+                   help="compute dtype; 'auto' dequantizes to float32 on MLX's CPU backend (fastest there, "
+                        "measured) and keeps the stored weights on a GPU; 'native' always keeps them")
+    p.add_argument("--no-openblas", action="store_true",
+                   help="do not re-execute with Debian's OpenBLAS preloaded (also: KVARN_NO_OPENBLAS=1)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvarn", description="OpenAI-compatible LLM server on MLX with the "
+                                                               "KVarN quantized KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,run,bench}")
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                           description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health "
+                                       "and /metrics.")
+    _add_model_args(serve)
+    serve.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST}); a "
+                                                            "non-loopback address requires an API key")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--api-key", default=None, help=f"require 'Authorization: Bearer KEY' on /v1/* "
+                                                       f"(default: ${API_KEY_ENV})")
+    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
+    serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                       help="extra Host header name accepted on a loopback bind (repeatable)")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
+    serve.add_argument("--prefill-chunk-size", type=int, default=512, help="largest prompt chunk per step")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+    run = sub.add_parser("run", help="generate once and stream the text to the terminal",
+                         description="One-shot generation without a server.")
+    _add_model_args(run)
+    run.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    run.add_argument("--system", default=None, help="system message (chat mode)")
+    run.add_argument("--raw", action="store_true", help="complete the prompt as plain text, no chat template")
+    run.add_argument("--max-tokens", type=int, default=256)
+    run.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+
+    bench = sub.add_parser("bench", help="measure prefill and decode tokens/s",
+                           description="Prefill tok/s and decode tok/s at several depths through the engine; "
+                                       "prints markdown, optionally writes JSON and markdown files.")
+    _add_model_args(bench)
+    bench.add_argument("--prefill-tokens", type=int, default=512)
+    bench.add_argument("--depths", default="0,1024,4096",
+                       help="comma-separated decode depths (clamped to the context)")
+    bench.add_argument("--decode-tokens", type=int, default=64)
+    bench.add_argument("--repeats", type=int, default=2, help="best of N per measurement")
+    bench.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    bench.add_argument("--markdown", type=Path, default=None, help="write the report as markdown here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    maybe_reexec_with_openblas(disabled=args.no_openblas)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return {"serve": _serve, "run": _run, "bench": _bench}[args.command](args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine import EngineConfig, SchedulerConfig
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    config = ServerConfig(
+        engine=EngineConfig(args.model, args.served_model_name, args.dtype,
+                            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size)),
+        host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
+        allowed_hosts=tuple(args.allowed_host))
+    try:
+        app = create_app(config)
+    except ValueError as exc:
+        logging.getLogger("kvarn").error("%s", exc)
+        return 2
+    logging.getLogger("kvarn").info("OpenBLAS %s", "on" if openblas_active() else "off")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from engine import Request, RequestId, SamplingParams, load_model, make_engine
+
+    loaded = load_model(args.model, args.dtype)
+    if args.raw:
+        prompt = list(loaded.tokenizer.encode(args.prompt, add_special_tokens=False))
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = list(loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    max_tokens = min(args.max_tokens, loaded.context_length - len(prompt))
+    if max_tokens < 1:
+        print(f"kvarn: the prompt ({len(prompt)} tokens) fills the context ({loaded.context_length})",
+              file=sys.stderr)
+        return 2
+    engine = make_engine(loaded)
+    engine.add_request(Request(RequestId("run"), prompt, SamplingParams(
+        max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)))
+    while engine.has_work():
+        for output in engine.step():
+            sys.stdout.write(output.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine import BenchConfig, load_model, run_bench
+
+    depths = tuple(int(d) for d in args.depths.split(",") if d.strip())
+    config = BenchConfig(args.prefill_tokens, depths, args.decode_tokens, args.repeats)
+    loaded = load_model(args.model, args.dtype)
+    with tqdm(total=1 + len(depths), desc="kvarn bench", file=sys.stderr) as bar:
+        def progress(message: str) -> None:
+            bar.set_postfix_str(message)
+            bar.update(1)
+
+        report = run_bench(loaded, config, openblas_active(), progress)
+    markdown = report.to_markdown()
+    print(markdown)
+    if args.json:
+        args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if args.markdown:
+        args.markdown.write_text(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Server settings, validated once at start."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+
+from engine import EngineConfig
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+API_KEY_ENV = "KVARN_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Invariant: a non-loopback bind always has an API key (``validate`` refuses otherwise)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if not is_loopback(self.host) and not self.api_key:
+            raise ValueError(
+                f"refusing to listen on non-loopback host {self.host!r} without an API key: "
+                f"pass --api-key or set {API_KEY_ENV}")
+
+    @staticmethod
+    def api_key_from_env() -> str | None:
+        return os.environ.get(API_KEY_ENV) or None

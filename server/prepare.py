@@ -1,0 +1,97 @@
+"""From a validated body to engine input: the model check, the prompt's token ids, SamplingParams.
+
+Everything that depends on the loaded model (its name, context length, vocabulary) is checked
+here, so a request that reaches the engine can always run.
+"""
+
+from __future__ import annotations
+
+from engine import EngineClient, ModelInfo, SamplingParams
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+
+
+def check_model(body: _Sampling, info: ModelInfo) -> None:
+    if body.model != info.model_id:
+        raise APIError(404, f"The model '{body.model}' does not exist. This server serves '{info.model_id}'.",
+                       param="model", code="model_not_found")
+
+
+def check_unsupported(body: _Sampling) -> None:
+    if body.n != 1:
+        raise APIError(400, "n > 1 is not supported yet: send one request per choice.", param="n",
+                       code="unsupported_value")
+    if isinstance(body, CompletionRequest):
+        if body.best_of not in (None, 1):
+            raise APIError(400, "best_of > 1 is not supported.", param="best_of", code="unsupported_value")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported by this model.", param="suffix", code="unsupported_value")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported.", param="echo",
+                           code="unsupported_value")
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, client: EngineClient) -> list[int]:
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in body.messages]
+    try:
+        return client.apply_chat_template(messages)
+    except Exception as exc:  # the model's own template refused the conversation
+        raise APIError(400, f"The chat template could not render these messages: {exc}", param="messages",
+                       code="invalid_messages") from exc
+
+
+def completion_prompt_ids(body: CompletionRequest, info: ModelInfo, client: EngineClient) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise APIError(400, "Batched prompts are not supported: send one prompt per request.",
+                           param="prompt", code="unsupported_value")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = client.encode(prompt)
+    else:
+        ids = list(prompt)
+        bad = [t for t in ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise APIError(400, f"Token id {bad[0]} is outside the vocabulary [0, {info.vocab_size}).",
+                           param="prompt", code="invalid_value")
+    if not ids:
+        raise APIError(400, "The prompt is empty.", param="prompt", code="invalid_value")
+    return ids
+
+
+def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, default_max_tokens: int | None,
+                    logprobs: bool, top_logprobs: int, max_tokens: int | None) -> SamplingParams:
+    """``max_tokens`` None means "up to the context": OpenAI's chat default. Requests whose prompt
+    plus ``max_tokens`` exceed the context are refused, as OpenAI and vLLM do."""
+    room = info.context_length - prompt_len
+    if room <= 0 or (max_tokens is not None and max_tokens > room):
+        asked = f"{prompt_len} in the prompt" + (f", {max_tokens} in the completion" if max_tokens else "")
+        raise APIError(400, f"This model's maximum context length is {info.context_length} tokens. However, you "
+                            f"requested {prompt_len + (max_tokens or 0)} tokens ({asked}). Please reduce the "
+                            f"length of the prompt or the completion.", param="messages"
+                       if default_max_tokens is None else "prompt", code="context_length_exceeded")
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        token_id = int(key)
+        if not 0 <= token_id < info.vocab_size:
+            raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {info.vocab_size}).",
+                           param="logit_bias", code="invalid_value")
+        bias.append((token_id, float(value)))
+    limit = max_tokens or min(default_max_tokens or room, room)
+    return SamplingParams(
+        max_tokens=limit,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),
+        min_p=body.min_p or 0.0,
+        seed=body.seed,
+        stop=body.stop_strings(),
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=tuple(bias),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        ignore_eos=body.ignore_eos,
+    )

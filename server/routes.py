@@ -1,0 +1,100 @@
+"""The HTTP routes: OpenAI's chat and completions, models, health and metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+
+from engine import EngineClient, ModelInfo
+from server.errors import APIError, error_response
+from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses import Job
+from server.streaming import collect, stream_events
+
+router = APIRouter()
+_STARTED = int(time.time())
+
+
+def _ready(request: Request) -> tuple[EngineClient, ModelInfo]:
+    client: EngineClient = request.app.state.client
+    if client.load_error is not None:
+        raise APIError(503, f"The model failed to load: {client.load_error}", code="model_load_failed")
+    if not client.ready.is_set() or client.info is None:
+        raise APIError(503, "The model is still loading; retry shortly.", code="model_loading",
+                       headers={"Retry-After": "1"})
+    return client, client.info
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    client: EngineClient = request.app.state.client
+    if client.load_error is not None:
+        return error_response(503, f"The model failed to load: {client.load_error}", code="model_load_failed")
+    if client.info is None:
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+    info = client.info
+    return JSONResponse({"status": "ok", "model": info.model_id, "kv_cache": info.kv_cache, **client.stats()})
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    _, info = _ready(request)
+    return {"object": "list", "data": [{
+        "id": info.model_id, "object": "model", "created": _STARTED, "owned_by": "kvarn",
+        "context_length": info.context_length, "compute_dtype": info.compute_dtype,
+        "fingerprint": info.fingerprint, "kv_cache": info.kv_cache}]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    client, info = _ready(request)
+    check_model(body, info)
+    check_unsupported(body)
+    prompt_ids = chat_prompt_ids(body, client)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = sampling_params(body, len(prompt_ids), info, default_max_tokens=None, logprobs=body.logprobs,
+                             top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
+    return await _respond(Job("chat", info.model_id, prompt_ids, params, _fingerprint(info),
+                              include_usage=_include_usage(body)), body.stream, request)
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    client, info = _ready(request)
+    check_model(body, info)
+    check_unsupported(body)
+    prompt_ids = completion_prompt_ids(body, info, client)
+    params = sampling_params(body, len(prompt_ids), info, default_max_tokens=16,
+                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+                             max_tokens=body.max_tokens)
+    echo = (body.prompt if isinstance(body.prompt, str) else "") if body.echo else ""
+    if body.echo and not echo:
+        echo = "".join(client.decode_token(t) for t in prompt_ids)
+    return await _respond(Job("completion", info.model_id, prompt_ids, params, _fingerprint(info),
+                              include_usage=_include_usage(body), echo_text=echo), body.stream, request)
+
+
+async def _respond(job: Job, stream: bool, request: Request) -> Any:
+    client, state = request.app.state.client, request.app.state
+    if stream:
+        return EventSourceResponse(stream_events(job, client, state.metrics), ping=15)
+    return await collect(job, client, state.metrics, request)
+
+
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+def _fingerprint(info: ModelInfo) -> str:
+    return "kvarn-" + str(info.kv_cache["stamp"])
