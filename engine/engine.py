@@ -7,7 +7,7 @@ import logging
 
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner
-from engine.output import OutputState, advance
+from engine.output import OutputState, advance, new_detokenizer
 from engine.request import FinishReason, Request, RequestId, RequestOutput
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
@@ -39,7 +39,7 @@ class Engine:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
         self.requests[request.request_id] = request
-        self._outputs[request.request_id] = OutputState(self.loaded.tokenizer.detokenizer, request.params.stop)
+        self._outputs[request.request_id] = OutputState(new_detokenizer(self.loaded.tokenizer), request.params.stop)
         self.scheduler.add(request)
 
     def abort_request(self, request_id: RequestId) -> RequestOutput | None:

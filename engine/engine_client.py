@@ -155,7 +155,8 @@ class EngineClient:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
+        self._update_stats(engine)
 
     def _step(self, engine: Any) -> None:
         try:
@@ -166,6 +167,9 @@ class EngineClient:
         for output in outputs:
             if output is not None:
                 self._dispatch(output)
+        self._update_stats(engine)
+
+    def _update_stats(self, engine: Any) -> None:
         self._stats = {"running": engine.num_running, "waiting": engine.num_waiting,
                        "kv_bytes": engine.runner.kv_nbytes()}
 

@@ -9,9 +9,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlx_lm.tokenizer_utils import StreamingDetokenizer
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, StreamingDetokenizer, TokenizerWrapper
 
 from engine.request import FinishReason, Request, TokenLogprob
+
+
+def new_detokenizer(tokenizer: TokenizerWrapper) -> StreamingDetokenizer:
+    """A fresh streaming detokenizer for one request.
+
+    mlx-lm's byte-level BPE detokenizer drops the leading space of the first token (right for a
+    chat turn shown alone, wrong for an API: " is" after "The ls command" must stay " is", as
+    the tokenizer's own ``decode`` gives). The trim is switched off on this instance.
+    """
+    detokenizer = tokenizer.detokenizer
+    if isinstance(detokenizer, BPEStreamingDetokenizer):
+        detokenizer._maybe_trim_space = lambda text: text  # type: ignore[method-assign]
+    return detokenizer
 
 
 @dataclass

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from server.blas import maybe_reexec_with_openblas, openblas_active
-from server.config import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 
 _DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 

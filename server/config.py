@@ -8,9 +8,7 @@ from dataclasses import dataclass, field
 
 from engine import EngineConfig
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8080
-API_KEY_ENV = "KVARN_API_KEY"
+from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 
 
 def is_loopback(host: str) -> bool:

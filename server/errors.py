@@ -35,6 +35,15 @@ class APIError(Exception):
         self.headers = headers
 
 
+class ClientDisconnected(APIError):
+    """The client went away before its response was ready. Its request is already aborted; the
+    reply (499, as nginx logs it) goes nowhere, but ends the request without an error in the log."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "The client closed the connection before the response was ready.",
+                         code="client_disconnected")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": _TYPE_BY_STATUS.get(status, "server_error"),
                       "param": param, "code": code}}
@@ -45,22 +54,34 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _param_path(loc: tuple[int | str, ...], kind: str) -> list[str]:
+    """The parameter an error is about: pydantic's location without the leading ``body`` and
+    without the union member names pydantic inserts (``prompt.list[int]`` is ``prompt``). The
+    last part of an unknown-field error is the client's own key, kept as sent."""
+    parts = list(loc[1:] if loc[:1] == ("body",) else loc)
+    last = [str(parts.pop())] if kind == "extra_forbidden" and parts else []
+    return [str(p) for p in parts if isinstance(p, int) or (p not in _UNION_MEMBER_TAGS and "[" not in p)] + last
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "Invalid request body.", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
     kind = first.get("type", "")
+    loc = _param_path(tuple(first.get("loc", ())), kind)
+    param = ".".join(loc) or None
     if kind == "json_invalid":
         return "Invalid JSON body: the request body could not be parsed as JSON.", None
+    if kind in ("missing", "model_type", "model_attributes_type") and not loc:  # no body, null, not an object
+        return "The request body must be a JSON object.", None
     if kind == "missing":
         return f"Missing required parameter: '{param}'.", param
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
-    if kind == "model_attributes_type" and not loc:
-        return "The request body must be a JSON object.", None
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"Invalid value for '{param}': {message}" if param else message), param
 

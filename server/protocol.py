@@ -1,17 +1,20 @@
-"""Request bodies of the OpenAI API as pydantic models. Unknown fields are refused, never ignored."""
+"""Request bodies of the OpenAI API as pydantic models. Unknown fields are refused, never ignored;
+values of the wrong JSON type are refused too, never coerced (``"max_tokens": "10"``, ``"stream": "yes"``)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
+_TOKEN_ID = re.compile(r"-?[0-9]+")
 MAX_TOP_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -75,7 +78,7 @@ class _Sampling(_Strict):
     @classmethod
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.lstrip("-").isdigit():
+            if not _TOKEN_ID.fullmatch(key):  # ASCII digits only: str.isdigit() accepts "²", int() does not
                 raise ValueError(f"logit_bias keys must be token ids, not {key!r}")
         return value
 

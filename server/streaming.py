@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from engine import EngineClient, FinishReason
-from server.errors import APIError, error_body
+from server.errors import APIError, ClientDisconnected, error_body
 from server.metrics import Metrics
 from server.responses import Collected, Job, chat_logprobs, chunk, completion_logprobs, finish_name, \
     full_response, usage_chunk
@@ -92,14 +92,16 @@ async def collect(job: Job, client: EngineClient, metrics: Metrics, request: Req
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it if the client disconnects first."""
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientDisconnected``
+    (never the child task's ``CancelledError``, which would reach uvicorn as a crash)."""
     task = asyncio.ensure_future(work)
     try:
         while not task.done():
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
             if not done and await request.is_disconnected():
                 task.cancel()
-                break
+                await asyncio.wait({task})  # let its cleanup (the engine abort) run
+                raise ClientDisconnected()
         return await task
     finally:
         if not task.done():

@@ -1,0 +1,1 @@
+"""End-to-end stress runner for a kvarn server, over HTTP only: ``python -m e2e.stress --help``."""
