@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.engine import Engine, make_engine
+from engine.kv_config import KVConfig
 from engine.loader import LoadedModel
 from engine.request import Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -48,8 +49,10 @@ class BenchReport:
         return asdict(self)
 
     def to_markdown(self) -> str:
-        head = (f"model `{self.model}`, compute {self.compute_dtype}, KV {self.kv_cache['scheme']} "
-                f"({self.kv_cache['dtype']}), device {self.device}, OpenBLAS {'on' if self.openblas else 'off'}")
+        kv = self.kv_cache
+        layout = kv["scheme"] if kv["scheme"] == "fp16" else f"{kv['scheme']} k{kv['key_bits']}v{kv['value_bits']}"
+        head = (f"model `{self.model}`, compute {self.compute_dtype}, KV {layout} ({kv['dtype']}), "
+                f"device {self.device}, OpenBLAS {'on' if self.openblas else 'off'}")
         rows = [f"| prefill {int(self.prefill['tokens'])} tokens | {self.prefill['tokens_per_s']:.1f} tok/s |"]
         rows += [f"| decode at depth {int(d['depth'])} | {d['tokens_per_s']:.1f} tok/s |" for d in self.decode]
         return "\n".join([head, "", "| measurement | rate |", "|---|---|", *rows]) + "\n"
@@ -75,11 +78,11 @@ def _timed_request(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[
     return first - start, end - first, len(request.output_ids) - 1
 
 
-def run_bench(loaded: LoadedModel, config: BenchConfig, openblas: bool,
+def run_bench(loaded: LoadedModel, config: BenchConfig, openblas: bool, kv: KVConfig | None = None,
               progress: Callable[[str], None] = lambda _: None) -> BenchReport:
-    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=1))
+    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=1), kv)
     rng = random.Random(config.seed)
-    report = BenchReport(loaded.model_id, loaded.compute_dtype, engine.layout.describe(loaded.fingerprint),
+    report = BenchReport(loaded.model_id, loaded.compute_dtype, engine.describe_kv(),
                          f"{mx.default_device()} ({platform.machine()})", openblas)
     _timed_request(engine, _prompt(rng, 64, loaded.vocab_size), 4)  # warm-up
     best = min(_timed_request(engine, _prompt(rng, config.prefill_tokens, loaded.vocab_size), 1)[0]

@@ -4,22 +4,40 @@ from __future__ import annotations
 
 import logging
 
+import mlx.core as mx
 
+from engine.kv_config import KVConfig
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner
 from engine.output import OutputState, advance, new_detokenizer
 from engine.request import FinishReason, Request, RequestId, RequestOutput
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
+from kvarn.attention import install_attention_seam
+from kvarn.baselines import count_quantized_layers, make_cache
 from kvarn.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
 
-def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None) -> Engine:
-    """An engine with the KV layout in force for ``loaded``: for now the unquantized baseline,
-    stored in the model's compute dtype."""
-    return Engine(loaded, KVLayout(scheme="fp16", storage_dtype=loaded.compute_dtype), config)
+def make_layout(kv: KVConfig, loaded: LoadedModel) -> KVLayout:
+    default_key, default_value = (4, 2) if kv.scheme == "kvarn" else (4, 4)
+    return KVLayout(scheme=kv.scheme, key_bits=kv.key_bits or default_key,
+                    value_bits=kv.value_bits or kv.key_bits or default_value, tile_size=kv.tile,
+                    group_size=kv.group_size, storage_dtype=loaded.compute_dtype)
+
+
+def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: KVConfig | None = None) -> Engine:
+    """An engine running ``loaded`` with the KV layout ``kv`` (KVarN k4v2 by default).
+
+    Fails at once, not at the first request, if the layout cannot run on this model: the
+    attention seam is installed and one token is run through a fresh cache."""
+    layout = make_layout(kv or KVConfig(), loaded)
+    if layout.scheme == "kvarn":
+        install_attention_seam(loaded.model)
+    probe = make_cache(loaded.model, layout)
+    mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
+    return Engine(loaded, layout, config)
 
 
 class Engine:
@@ -34,6 +52,11 @@ class Engine:
         self.requests: dict[RequestId, Request] = {}
         self._outputs: dict[RequestId, OutputState] = {}
         self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
+
+    def describe_kv(self) -> dict[str, object]:
+        """The layout in force, with how many layers use it (others keep their own cache)."""
+        used, total = count_quantized_layers(self.loaded.model, self.layout)
+        return {**self.layout.describe(self.loaded.fingerprint), "layers": total, "layers_with_layout": used}
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:

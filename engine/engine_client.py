@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.request import Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
+from engine.kv_config import KVConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ class EngineConfig:
     model_id: str | None = None
     dtype: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
 
 
 @dataclass(frozen=True)
@@ -127,11 +129,10 @@ class EngineClient:
             from engine.loader import load_model
 
             loaded = load_model(self.config.model_path, self.config.dtype, self.config.model_id)
-            engine = make_engine(loaded, self.config.scheduler)
-            layout = engine.layout
+            engine = make_engine(loaded, self.config.scheduler, self.config.kv)
             self._tokenizer = loaded.tokenizer
             self.info = ModelInfo(loaded.model_id, loaded.context_length, loaded.fingerprint,
-                                  loaded.compute_dtype, layout.describe(loaded.fingerprint), loaded.vocab_size)
+                                  loaded.compute_dtype, engine.describe_kv(), loaded.vocab_size)
         except BaseException as exc:  # reported through /health; the server stays up to say so
             logger.exception("model load failed")
             self.load_error = exc

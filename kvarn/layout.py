@@ -8,35 +8,113 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 FORMAT_VERSION = 1
-SCHEMES = ("fp16",)
-_DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
+SCHEMES = ("kvarn", "affine", "fp16")
+BITS = (2, 3, 4, 5, 6, 8)
+PRESETS = {"k4v2": (4, 2), "k4v4": (4, 4), "k8v8": (8, 8), "k3v3": (3, 3), "k2v2": (2, 2)}
+TILES = (64, 128)
+AFFINE_GROUPS = (32, 64, 128)
+DEFAULT_ITERS = 8
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The KV layout in force. ``fp16`` is the unquantized baseline: keys and values are kept
-    in the model's compute dtype (``storage_dtype``), so its bits are that dtype's bits."""
+    """The KV layout in force.
 
-    scheme: str = "fp16"
+    ``kvarn``: K/V quantized in tiles of ``tile_size`` tokens (sink and tail in float16).
+    ``affine``: mlx-lm's ``QuantizedKVCache`` (``key_bits == value_bits``, ``group_size``).
+    ``fp16``: unquantized; K/V kept in ``storage_dtype`` (the model's compute dtype).
+    """
+
+    scheme: str = "kvarn"
+    key_bits: int = 4
+    value_bits: int = 2
+    tile_size: int = 128
+    group_size: int = 64
+    iters: int = DEFAULT_ITERS
     storage_dtype: str = "float16"
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
-            raise ValueError(f"KV scheme {self.scheme!r} is not available; choose one of {', '.join(SCHEMES)}")
-        if self.storage_dtype not in _DTYPE_BITS:
+            raise ValueError(f"KV scheme must be one of {', '.join(SCHEMES)}, not {self.scheme!r}")
+        if self.storage_dtype not in _DTYPE_BYTES:
             raise ValueError(f"unsupported KV storage dtype {self.storage_dtype!r}")
+        if self.scheme == "fp16":
+            return
+        for name, bits in (("key", self.key_bits), ("value", self.value_bits)):
+            if bits not in BITS:
+                raise ValueError(f"{name} bits must be one of {BITS}, not {bits}")
+        if self.scheme == "kvarn" and self.tile_size not in TILES:
+            raise ValueError(f"KVarN tile must be one of {TILES}, not {self.tile_size}")
+        if self.scheme == "affine":
+            if self.key_bits != self.value_bits:
+                raise ValueError("the affine baseline uses one width for keys and values")
+            if self.group_size not in AFFINE_GROUPS:
+                raise ValueError(f"affine group size must be one of {AFFINE_GROUPS}")
+
+    @classmethod
+    def fp16(cls, storage_dtype: str = "float16") -> KVLayout:
+        return cls(scheme="fp16", storage_dtype=storage_dtype)
+
+    @classmethod
+    def affine(cls, bits: int, group_size: int = 64, storage_dtype: str = "float16") -> KVLayout:
+        return cls(scheme="affine", key_bits=bits, value_bits=bits, group_size=group_size,
+                   storage_dtype=storage_dtype)
+
+    @classmethod
+    def kvarn(cls, preset_or_bits: str | tuple[int, int] = "k4v2", tile_size: int = 128) -> KVLayout:
+        key_bits, value_bits = PRESETS[preset_or_bits] if isinstance(preset_or_bits, str) else preset_or_bits
+        return cls(scheme="kvarn", key_bits=key_bits, value_bits=value_bits, tile_size=tile_size)
+
+    def with_storage_dtype(self, dtype: str) -> KVLayout:
+        return replace(self, storage_dtype=dtype)
 
     @property
-    def key_bits(self) -> int:
-        return _DTYPE_BITS[self.storage_dtype]
+    def name(self) -> str:
+        if self.scheme == "kvarn":
+            return f"kvarn-k{self.key_bits}v{self.value_bits}-g{self.tile_size}"
+        if self.scheme == "affine":
+            return f"affine-{self.key_bits}-g{self.group_size}"
+        return f"fp16-{self.storage_dtype}"
 
-    @property
-    def value_bits(self) -> int:
-        return _DTYPE_BITS[self.storage_dtype]
+    @staticmethod
+    def slice_width(head_dim: int) -> int:
+        from kvarn.quantize import slice_width
+
+        return slice_width(head_dim)
+
+    # --- bytes (per layer; multiply by the number of layers that use this layout) ---
+    def bytes_per_token(self, head_dim: int, n_kv_heads: int) -> float:
+        """Steady-state bytes of one cached token of one layer (records only for KVarN)."""
+        if self.scheme == "fp16":
+            return 2 * head_dim * _DTYPE_BYTES[self.storage_dtype] * n_kv_heads
+        if self.scheme == "affine":
+            scale_bytes = _DTYPE_BYTES[self.storage_dtype]
+            per_leg = head_dim * self.key_bits / 8 + 2 * scale_bytes * head_dim / self.group_size
+            return 2 * per_leg * n_kv_heads
+        width, g = self.slice_width(head_dim), self.tile_size
+        per_slice = (self.key_bits + self.value_bits) * width / 8 + 2 * (3 * width + 3 * g) / g
+        return per_slice * (head_dim // width) * n_kv_heads
+
+    def sequence_bytes(self, num_tokens: int, head_dim: int, n_kv_heads: int) -> int:
+        """Exact bytes one sequence of ``num_tokens`` holds in one layer.
+
+        KVarN: sink (G fp16 tokens) + tail buffer (G fp16 tokens), both allocated at the first
+        token, plus one record per full tile after the sink:
+            tokens  |<- sink G ->|<- record ->|<- record ->|<- tail (< G) ->|
+        """
+        if num_tokens <= 0:
+            return 0
+        if self.scheme != "kvarn":
+            return int(round(num_tokens * self.bytes_per_token(head_dim, n_kv_heads)))
+        g = self.tile_size
+        buffers = 2 * (2 * g * head_dim * 2) * n_kv_heads  # sink + tail, K and V, fp16
+        num_tiles = max(0, num_tokens - g) // g
+        return buffers + int(num_tiles * g * self.bytes_per_token(head_dim, n_kv_heads))
 
     def stamp(self, model_fingerprint: str) -> str:
         payload = json.dumps({"layout": asdict(self), "model": model_fingerprint}, sort_keys=True)
@@ -44,12 +122,16 @@ class KVLayout:
 
     def describe(self, model_fingerprint: str) -> dict[str, object]:
         """The verdict reported by ``/v1/models`` and ``/health``."""
+        fp16 = self.scheme == "fp16"
+        bits = 8 * _DTYPE_BYTES[self.storage_dtype]
         return {
             "scheme": self.scheme,
-            "key_bits": self.key_bits,
-            "value_bits": self.value_bits,
-            "tile": None,
-            "dtype": self.storage_dtype,
+            "key_bits": bits if fp16 else self.key_bits,
+            "value_bits": bits if fp16 else self.value_bits,
+            "tile": self.tile_size if self.scheme == "kvarn" else None,
+            "group_size": self.group_size if self.scheme == "affine" else None,
+            "dtype": self.storage_dtype if fp16 else ("float16" if self.scheme == "kvarn" else self.storage_dtype),
+            "iters": self.iters if self.scheme == "kvarn" else None,
             "format_version": self.format_version,
             "stamp": self.stamp(model_fingerprint),
         }

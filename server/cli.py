@@ -16,6 +16,7 @@ from server.blas import maybe_reexec_with_openblas, openblas_active
 from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
 
 _DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
+_BITS = (2, 3, 4, 5, 6, 8)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -27,12 +28,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "measured) and keeps the stored weights on a GPU; 'native' always keeps them")
     p.add_argument("--no-openblas", action="store_true",
                    help="do not re-execute with Debian's OpenBLAS preloaded (also: KVARN_NO_OPENBLAS=1)")
+    kv = p.add_argument_group("KV cache layout")
+    kv.add_argument("--kv-scheme", choices=("kvarn", "affine", "fp16"), default="kvarn",
+                    help="kvarn (default), affine (mlx-lm QuantizedKVCache) or fp16 (unquantized)")
+    kv.add_argument("--kv-bits", type=int, default=None, choices=_BITS,
+                    help="bits for keys and values (kvarn default: 4-bit keys, 2-bit values; affine: 4)")
+    kv.add_argument("--kv-key-bits", type=int, default=None, choices=_BITS, help="key bits (overrides --kv-bits)")
+    kv.add_argument("--kv-value-bits", type=int, default=None, choices=_BITS,
+                    help="value bits (overrides --kv-bits)")
+    kv.add_argument("--kv-tile", type=int, default=128, choices=(64, 128), help="KVarN tile size G")
+    kv.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128), help="affine group size")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="OpenAI-compatible LLM server on MLX with the "
                                                                "KVarN quantized KV cache.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,run,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,run,bench,kld}")
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                            description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health "
@@ -73,6 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=2, help="best of N per measurement")
     bench.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     bench.add_argument("--markdown", type=Path, default=None, help="write the report as markdown here")
+    kld = sub.add_parser("kld", help="measure KV-cache fidelity: KL divergence and top-1 agreement vs fp16",
+                         description="Teacher-force a greedy fp16 continuation through each KV layout one token "
+                                     "at a time; report KLD (mean, median, p99, max), top-1 and greedy "
+                                     "agreement, bytes per token; writes kld.md, kld.json and kld.png.")
+    kld.add_argument("model", nargs="?", default=None, help="local mlx-lm model folder (default: bundled)")
+    kld.add_argument("--dtype", choices=_DTYPES, default="auto", help="compute dtype (as for serve)")
+    kld.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
+    kld.add_argument("--arms", default=None,
+                     help="comma-separated arms: fp16, kvarn:kXvY[:gG], affine:B[:gG] (default: kvarn k8v8, "
+                          "k4v4, k4v2, k3v3, k2v2 and affine 8 and 4 with group 64)")
+    kld.add_argument("--prompts", type=int, default=8, help="number of shipped held-out prompts (max 10)")
+    kld.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
+    kld.add_argument("--tokens", type=int, default=2048, help="decode positions per prompt")
+    kld.add_argument("--out", type=Path, default=Path("kld-out"), help="output folder")
     return parser
 
 
@@ -81,7 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     maybe_reexec_with_openblas(disabled=args.no_openblas)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"serve": _serve, "run": _run, "bench": _bench}[args.command](args)
+    return {"serve": _serve, "run": _run, "bench": _bench, "kld": _kld}[args.command](args)
+
+
+def _kv_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after the re-exec)
+    from engine import KVConfig
+
+    key_bits = args.kv_key_bits or args.kv_bits
+    value_bits = args.kv_value_bits or args.kv_bits
+    if args.kv_scheme == "affine" and key_bits and value_bits and key_bits != value_bits:
+        raise SystemExit("kvarn: the affine baseline uses one width for keys and values (--kv-bits)")
+    return KVConfig(args.kv_scheme, key_bits, value_bits, args.kv_tile, args.kv_group_size)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -93,7 +128,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
-                            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size)),
+                            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size),
+                            _kv_config(args)),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host))
     try:
@@ -121,7 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvarn: the prompt ({len(prompt)} tokens) fills the context ({loaded.context_length})",
               file=sys.stderr)
         return 2
-    engine = make_engine(loaded)
+    engine = make_engine(loaded, kv=_kv_config(args))
     engine.add_request(Request(RequestId("run"), prompt, SamplingParams(
         max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)))
     while engine.has_work():
@@ -145,13 +181,29 @@ def _bench(args: argparse.Namespace) -> int:
             bar.set_postfix_str(message)
             bar.update(1)
 
-        report = run_bench(loaded, config, openblas_active(), progress)
+        report = run_bench(loaded, config, openblas_active(), _kv_config(args), progress)
     markdown = report.to_markdown()
     print(markdown)
     if args.json:
         args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if args.markdown:
         args.markdown.write_text(markdown)
+    return 0
+
+
+def _kld(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine import load_model
+    from engine.kld import DEFAULT_ARMS, KldConfig, run_kld
+    from engine.kld_report import write_reports
+
+    arms = tuple(a.strip() for a in args.arms.split(",")) if args.arms else DEFAULT_ARMS
+    config = KldConfig(arms, args.prompts, args.prompt_tokens, args.tokens)
+    loaded = load_model(args.model, args.dtype)
+    with tqdm(total=config.gen_tokens, desc="kvarn kld", unit="pos", file=sys.stderr) as bar:
+        results, fp16_bytes = run_kld(loaded, config, bar.update)
+    print(write_reports(args.out, results, fp16_bytes, config, loaded.model_id))
     return 0
 
 

@@ -74,13 +74,14 @@ def _requests_seen(base_url: str) -> float:
 
 def test_stress_run_passes_with_exact_counts(server: str, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    code = stress.main(["--base-url", server, "--api-key", API_KEY, "--scheme", "fp16", "--concurrency", "8",
+    code = stress.main(["--base-url", server, "--api-key", API_KEY, "--scheme", "kvarn", "--key-bits", "4",
+                        "--value-bits", "2", "--concurrency", "8",
                         "--requests", "12", "--max-tokens", "16", "--seed", "7", "--json", str(out)])
     report = json.loads(out.read_text())
     failures = [(s["name"], s["failures"], [c for c in s["checks"] if not c["ok"]]) for s in report["scenarios"]]
     assert code == 0, failures
     assert report["passed"] and report["exit_code"] == 0 and report["error"] is None
-    assert report["kv_cache"]["scheme"] == "fp16" and report["kv_cache"]["key_bits"] in (16, 32)
+    assert (report["kv_cache"]["scheme"], report["kv_cache"]["key_bits"], report["kv_cache"]["value_bits"]) == ("kvarn", 4, 2)
     counts = {s["name"]: (s["requests"], s["ok"], s["failed"], s["dropped"], s["aborted"])
               for s in report["scenarios"]}
     assert counts == {
@@ -99,12 +100,11 @@ def test_layout_mismatch_exits_3_without_load(server: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     before = _requests_seen(server)
     out = tmp_path / "report.json"
-    code = stress.main(["--base-url", server, "--api-key", API_KEY, "--scheme", "kvarn", "--bits", "4",
-                        "--json", str(out)])
+    code = stress.main(["--base-url", server, "--api-key", API_KEY, "--scheme", "fp16", "--json", str(out)])
     assert code == 3
     report = json.loads(out.read_text())
     assert report["exit_code"] == 3 and report["scenarios"] == []
-    assert "scheme 'fp16', expected 'kvarn'" in report["error"]
+    assert "scheme 'kvarn', expected 'fp16'" in report["error"]
     assert "refusing to run" in capsys.readouterr().err
     assert _requests_seen(server) == before
 

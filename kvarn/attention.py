@@ -1,0 +1,154 @@
+"""Attention over KVarN caches (shared/design/kvarn.md section 4) and the seam that routes
+mlx-lm models to it.
+
+Three paths, by what the cache holds:
+- a fresh prompt's first chunk: plain SDPA over the chunk's own keys and values;
+- later prefill chunks (L > 1): the records are dequantized once to float16 and joined with
+  sink and tail for the fused SDPA (transient memory: one float16 copy of the history);
+- decode (L == 1): scores from ``quantized_matmul`` over the transposed key codes, per-tile value
+  partials with channel factors, fp16 sink and tail, one softmax, inverse rotation.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from kvarn.cache import KVarNKVCache
+from kvarn.quantize import rotate
+from kvarn.record import RecordArrays
+
+SEAM_NAME = "scaled_dot_product_attention"
+_SEAM_MARK = "__kvarn_seam__"
+
+
+def dequantize_records(cache: KVarNKVCache, view: RecordArrays) -> tuple[mx.array, mx.array]:
+    """Rotated float16 keys and values [B, H, T_q, D] of the committed records."""
+    layout = cache.layout
+    B, H, S, W, _ = view.k_codes.shape
+    k = mx.dequantize(view.k_codes, view.k_alpha, view.k_beta, group_size=layout.tile_size, bits=layout.key_bits)
+    k = (k * view.k_r[..., None, :]).transpose(0, 1, 4, 2, 3).reshape(B, H, -1, S * W)
+    v = mx.dequantize(view.v_codes, view.v_alpha, view.v_beta, group_size=W, bits=layout.value_bits)
+    v = (v * view.v_c[..., None, :]).reshape(B, H, -1, S * W)
+    return k, v
+
+
+def full_history(cache: KVarNKVCache) -> tuple[mx.array, mx.array]:
+    """[sink | dequantized records | tail] as rotated float16 keys and values."""
+    parts_k = [cache.sink_k[..., : cache.sink_len, :]]
+    parts_v = [cache.sink_v[..., : cache.sink_len, :]]
+    view = cache.records.view()
+    if view is not None:
+        k, v = dequantize_records(cache, view)
+        parts_k.append(k)
+        parts_v.append(v)
+    parts_k.append(cache.tail_k[..., : cache.tail_len, :])
+    parts_v.append(cache.tail_v[..., : cache.tail_len, :])
+    return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+
+def _record_scores(q: mx.array, view: RecordArrays, cache: KVarNKVCache) -> mx.array:
+    """q [B,H,R,D] rotated and scaled -> scores [B,H,R,T_q] over the records."""
+    B, H, S, W, _ = view.k_codes.shape
+    R = q.shape[2]
+    q_s = q.reshape(B, H, R, S, W).transpose(0, 1, 3, 2, 4)  # [B,H,S,R,W]
+    raw = mx.quantized_matmul(q_s, view.k_codes, view.k_alpha.astype(q.dtype), view.k_beta.astype(q.dtype),
+                              transpose=False, group_size=cache.layout.tile_size, bits=cache.layout.key_bits)
+    return mx.sum(raw * view.k_r[..., None, :].astype(q.dtype), axis=2)
+
+
+def _record_values(p: mx.array, view: RecordArrays, cache: KVarNKVCache) -> mx.array:
+    """p [B,H,R,T_q] -> weighted values [B,H,R,D] over the records."""
+    B, H, n, G, _ = view.v_codes.shape
+    S = view.v_alpha.shape[-1]
+    D = view.v_c.shape[-1]
+    R = p.shape[2]
+    p_tiles = p.reshape(B, H, R, n, G).transpose(0, 1, 3, 2, 4)  # [B,H,n,R,G]
+    partial = mx.quantized_matmul(p_tiles, view.v_codes, view.v_alpha.astype(p.dtype),
+                                  view.v_beta.astype(p.dtype), transpose=False, group_size=D // S,
+                                  bits=cache.layout.value_bits)  # [B,H,n,R,D]
+    return mx.sum(partial * view.v_c[..., None, :].astype(p.dtype), axis=2)
+
+
+def decode_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.array:
+    """The exact MLX-native decode path; queries [B, n_q, L, D] (L small), GQA folded into rows."""
+    B, n_q, L, D = queries.shape
+    H = cache.sink_k.shape[1]
+    R = (n_q // H) * L
+    dtype = queries.dtype
+    q = rotate(queries.astype(mx.float32)).astype(dtype).reshape(B, H, R, D) * scale
+    sink_k, sink_v = cache.sink_k[..., : cache.sink_len, :], cache.sink_v[..., : cache.sink_len, :]
+    tail_k, tail_v = cache.tail_k[..., : cache.tail_len, :], cache.tail_v[..., : cache.tail_len, :]
+    view = cache.records.view()
+    scores = [q @ mx.swapaxes(sink_k, -1, -2).astype(dtype)]
+    if view is not None:
+        scores.append(_record_scores(q, view, cache))
+    scores.append(q @ mx.swapaxes(tail_k, -1, -2).astype(dtype))
+    probs = mx.softmax(mx.concatenate(scores, axis=-1).astype(mx.float32), axis=-1).astype(dtype)
+    n_sink, n_rec = cache.sink_len, 0 if view is None else view.k_r.shape[-1]
+    out = probs[..., :n_sink] @ sink_v.astype(dtype)
+    if view is not None:
+        out = out + _record_values(probs[..., n_sink: n_sink + n_rec], view, cache)
+    out = out + probs[..., n_sink + n_rec:] @ tail_v.astype(dtype)
+    return rotate(out.astype(mx.float32)).astype(dtype).reshape(B, n_q, L, D)
+
+
+def kvarn_attention(queries: mx.array, cache: KVarNKVCache, scale: float, mask: Any) -> mx.array:
+    chunk = cache.chunk
+    L = queries.shape[2]
+    if chunk is not None and chunk.fresh:
+        return mx.fast.scaled_dot_product_attention(queries, chunk.keys, chunk.values, scale=scale, mask=mask)
+    if L == 1:
+        return decode_attention(queries, cache, scale)
+    keys, values = full_history(cache)
+    q = rotate(queries.astype(mx.float32)).astype(queries.dtype)
+    out = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
+                                               mask=mask)
+    return rotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
+def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
+        if isinstance(cache, KVarNKVCache):
+            if sinks is not None:
+                raise ValueError("KVarN attention does not support attention sinks")
+            return kvarn_attention(queries, cache, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    setattr(scaled_dot_product_attention, _SEAM_MARK, True)
+    return scaled_dot_product_attention
+
+
+def install_attention_seam(model: Any) -> list[str]:
+    """Route every mlx-lm model module's ``scaled_dot_product_attention`` through KVarN.
+
+    mlx-lm model modules bind the function at import time, so each loaded ``mlx_lm.models.*``
+    module that holds it is patched. Fails loudly if the model's own module does not hold it
+    (a new mlx-lm that moved the seam must not silently run fp16). Returns the patched modules.
+    """
+    from mlx_lm.models import base
+
+    own = sys.modules[type(model).__module__]
+    if not callable(getattr(own, SEAM_NAME, None)):
+        raise RuntimeError(f"{own.__name__} has no '{SEAM_NAME}': cannot route attention to KVarN "
+                           "(mlx-lm's attention seam moved; refusing to run without it)")
+    original = getattr(base, SEAM_NAME)
+    original = getattr(original, "__wrapped_original__", original)
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mlx_lm.models.") or module is None:
+            continue
+        current = getattr(module, SEAM_NAME, None)
+        if current is None or getattr(current, _SEAM_MARK, False):
+            patched.append(name) if current is not None else None
+            continue
+        dispatch = make_dispatch(current)
+        dispatch.__wrapped_original__ = current  # type: ignore[attr-defined]
+        setattr(module, SEAM_NAME, dispatch)
+        patched.append(name)
+    if own.__name__ not in patched:
+        raise RuntimeError(f"failed to install the KVarN attention seam in {own.__name__}")
+    return patched

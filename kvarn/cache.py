@@ -1,0 +1,169 @@
+"""``KVarNKVCache``: a single-stream KVarN cache for one layer, speaking mlx-lm's cache protocol.
+
+A sequence is ``[sink | record 0 .. record n-1 | tail]``. Keys and values are rotated and
+rounded to float16 on arrival; the first G tokens stay in the sink; later tokens gather in the
+tail and a record is committed each time the tail holds a full tile, so a record depends only
+on its own G tokens (byte-identical whatever the chunking). ``update_and_fetch`` returns the
+cache itself: the attention seam (``kvarn.attention``) reads sink, records and tail from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from kvarn.layout import KVLayout
+from kvarn.quantize import rotate
+from kvarn.record import RecordArrays, RecordStore, quantize_tiles
+
+STORE_DTYPE = mx.float16
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """The keys and values of the latest update, as given (unrotated), and whether the cache was
+    empty before it (a fresh prompt's first chunk attends to them directly, in full precision)."""
+
+    keys: mx.array
+    values: mx.array
+    fresh: bool
+
+
+class KVarNKVCache(_BaseCache):
+    """Invariants: ``offset`` = tokens seen; sink holds ``min(offset, G)`` of them; records hold
+    ``records.num_tiles * G``; the tail holds the rest (< G). Trim is tail-only: tokens already
+    in the sink or in a committed record cannot be removed (``trim`` stops at that boundary)."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        if layout.scheme != "kvarn":
+            raise ValueError("KVarNKVCache needs a kvarn layout")
+        self.layout = layout
+        self.offset = 0
+        self.sink_k: mx.array | None = None
+        self.sink_v: mx.array | None = None
+        self.tail_k: mx.array | None = None
+        self.tail_v: mx.array | None = None
+        self.tail_len = 0
+        self.records = RecordStore(layout)
+        self.chunk: Chunk | None = None
+
+    # --- writing ---
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        B, H, L, D = keys.shape
+        G = self.layout.tile_size
+        self.chunk = Chunk(keys, values, fresh=self.offset == 0)
+        k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE)
+        v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE)
+        if self.sink_k is None:
+            self.sink_k, self.sink_v, self.tail_k, self.tail_v = (mx.zeros((B, H, G, D), STORE_DTYPE)
+                                                                  for _ in range(4))
+        used = 0
+        if self.offset < G:
+            used = min(G - self.offset, L)
+            self.sink_k[..., self.offset: self.offset + used, :] = k_rot[..., :used, :]
+            self.sink_v[..., self.offset: self.offset + used, :] = v_rot[..., :used, :]
+        if used < L:
+            self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
+        self.offset += L
+        return self, self
+
+    def _append_tail(self, k_new: mx.array, v_new: mx.array) -> None:
+        G = self.layout.tile_size
+        k_all = mx.concatenate([self.tail_k[..., : self.tail_len, :], k_new], axis=2)
+        v_all = mx.concatenate([self.tail_v[..., : self.tail_len, :], v_new], axis=2)
+        total = k_all.shape[2]
+        num_full = total // G
+        if num_full:
+            B, H, _, D = k_all.shape
+            tiles_k = k_all[..., : num_full * G, :].reshape(B, H, num_full, G, D)
+            tiles_v = v_all[..., : num_full * G, :].reshape(B, H, num_full, G, D)
+            self.commit(quantize_tiles(tiles_k, tiles_v, self.layout), num_full)
+        rest = total - num_full * G
+        if rest:
+            self.tail_k[..., :rest, :] = k_all[..., num_full * G:, :]
+            self.tail_v[..., :rest, :] = v_all[..., num_full * G:, :]
+        self.tail_len = rest
+
+    def commit(self, tiles: RecordArrays, num_tiles: int) -> None:
+        self.records.append(tiles, num_tiles)
+
+    # --- reading (for kvarn.attention) ---
+    @property
+    def sink_len(self) -> int:
+        return min(self.offset, self.layout.tile_size)
+
+    # --- mlx-lm cache protocol ---
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Remove up to ``n`` newest tokens, from the tail only; returns how many were removed."""
+        removable = self.tail_len if self.offset > self.layout.tile_size else 0
+        n = min(n, removable)
+        self.tail_len -= n
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.sink_k is None:
+            return 0
+        buffers = sum(a.nbytes for a in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
+        return buffers + self.records.nbytes
+
+    @property
+    def state(self) -> list[mx.array]:
+        if self.sink_k is None:
+            return []
+        view = self.records.view()
+        records = [] if view is None else [getattr(view, name) for name in vars(view)]
+        return [self.sink_k, self.sink_v, self.tail_k, self.tail_v, *records]
+
+    @state.setter
+    def state(self, arrays: list[mx.array]) -> None:
+        self.records = RecordStore(self.layout)
+        if not arrays:
+            self.sink_k = self.sink_v = self.tail_k = self.tail_v = None
+            return
+        self.sink_k, self.sink_v, self.tail_k, self.tail_v = arrays[:4]
+        if len(arrays) > 4:
+            names = list(RecordArrays.__dataclass_fields__)
+            view = RecordArrays(**dict(zip(names, arrays[4:])))
+            self.records.append(view, view.v_c.shape[2])
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        layout = self.layout
+        return tuple(map(str, (layout.key_bits, layout.value_bits, layout.tile_size, layout.iters,
+                               layout.format_version, self.offset, self.tail_len)))
+
+    @meta_state.setter
+    def meta_state(self, values: tuple[str, ...]) -> None:
+        key_bits, value_bits, tile, iters, version, offset, tail_len = map(int, values)
+        self.layout = KVLayout(scheme="kvarn", key_bits=key_bits, value_bits=value_bits, tile_size=tile,
+                               iters=iters, format_version=version)
+        self.offset, self.tail_len = offset, tail_len
+        if getattr(self, "records", None) is not None:
+            self.records.layout = self.layout
+        self.chunk = None
+
+    @classmethod
+    def from_state(cls, state: list[mx.array], meta_state: tuple[str, ...]) -> KVarNKVCache:
+        """Rebuild a cache from ``state`` and ``meta_state`` (the layout comes from the latter)."""
+        cache = cls.__new__(cls)
+        cache.records = None
+        cache.meta_state = meta_state
+        cache.state = state
+        return cache

@@ -1,0 +1,172 @@
+"""The KVarN quantizer (shared/design/kvarn.md section 3): rotate, normalize, round, absorb, pack.
+
+All math is float32 and vectorized over any leading axes (tiles, heads, layers, rows). A tile
+is G tokens x W channels (W = 128-channel slice, or the whole head when head_dim <= 128).
+
+    K tile  M = x^T  (W x G): rows = channels d, columns = tokens g  -> RTN per channel
+    V tile  M = x    (G x W): rows = tokens g,  columns = channels d -> RTN per token
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+SLICE_WIDTH = 128
+STD_MIN, STD_MAX = 1e-3, 1e3
+LOG_MIN, LOG_MAX = -0.3, 10.0
+IMBALANCE_FLOOR = 1e-8
+STEP_MIN = 1e-10
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def slice_width(head_dim: int) -> int:
+    """Channels per record: the head itself up to 128, else 128-channel slices."""
+    if head_dim in (64, 128):
+        return head_dim
+    if head_dim in (256, 512):
+        return SLICE_WIDTH
+    raise ValueError(f"KVarN supports head_dim 64, 128, 256 and 512, not {head_dim}")
+
+
+def rotate(x: mx.array) -> mx.array:
+    """x @ H along the last axis (normalized Sylvester Hadamard, block-diagonal over 128-channel
+    slices for heads wider than 128). H is symmetric and H @ H = I, so this is also the inverse."""
+    head_dim = x.shape[-1]
+    width = slice_width(head_dim)
+    if width == head_dim:
+        return mx.hadamard_transform(x)
+    sliced = x.reshape(*x.shape[:-1], head_dim // width, width)
+    return mx.hadamard_transform(sliced).reshape(x.shape)
+
+
+def _std(m: mx.array, axis: int) -> mx.array:
+    return mx.sqrt(mx.var(m, axis=axis, ddof=1))
+
+
+def _balanced(m: mx.array, log_row: mx.array, log_col: mx.array) -> mx.array:
+    return m / mx.exp(log_col)[..., None, :] / mx.exp(log_row)[..., :, None]
+
+
+def _imbalance(col_std: mx.array, row_std: mx.array) -> mx.array:
+    col = mx.max(col_std, axis=-1) / mx.maximum(mx.min(col_std, axis=-1), IMBALANCE_FLOOR)
+    row = mx.max(row_std, axis=-1) / mx.maximum(mx.min(row_std, axis=-1), IMBALANCE_FLOOR)
+    return col + row
+
+
+def _step(log_scale: mx.array, std: mx.array) -> mx.array:
+    return mx.clip(log_scale + mx.log(mx.clip(std, STD_MIN, STD_MAX)), LOG_MIN, LOG_MAX)
+
+
+def normalize(m: mx.array, iters: int) -> tuple[mx.array, mx.array]:
+    """Two-axis log-domain normalization of ``m`` [..., R, C]; returns (log_row [..., R],
+    log_col [..., C]) of the iterate with the lowest imbalance, the start (zeros) included.
+    Ties go to the later iterate, as in the reference kernel."""
+    m = m.astype(mx.float32)
+    log_row = mx.zeros(m.shape[:-1], dtype=mx.float32)
+    log_col = mx.zeros(m.shape[:-2] + m.shape[-1:], dtype=mx.float32)
+    col_std, row_std = _std(m, -2), _std(m, -1)
+    best = (_imbalance(col_std, row_std), log_row, log_col)
+    for _ in range(iters):
+        log_col = _step(log_col, col_std)
+        log_row = _step(log_row, _std(_balanced(m, log_row, log_col), -1))
+        balanced = _balanced(m, log_row, log_col)
+        col_std, row_std = _std(balanced, -2), _std(balanced, -1)
+        imbalance = _imbalance(col_std, row_std)
+        better = imbalance <= best[0]
+        best = (mx.where(better, imbalance, best[0]),
+                mx.where(better[..., None], log_row, best[1]),
+                mx.where(better[..., None], log_col, best[2]))
+    return best[1], best[2]
+
+
+def round_rows(balanced: mx.array, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Asymmetric min/max RTN of each row: (codes uint32, step a, zero z)."""
+    levels = (1 << bits) - 1
+    lo = mx.min(balanced, axis=-1)
+    hi = mx.max(balanced, axis=-1)
+    step = mx.maximum((hi - lo) / levels, STEP_MIN)
+    codes = mx.clip(mx.round((balanced - lo[..., None]) / step[..., None]), 0, levels)
+    return codes.astype(mx.uint32), step, lo
+
+
+def pack(codes: mx.array, bits: int) -> mx.array:
+    """Pack b-bit codes [..., n] into MLX's affine layout [..., n*b/32] (a little-endian bit
+    stream of b-bit values, for every width; ``mx.dequantize`` reads it)."""
+    n = codes.shape[-1]
+    if (n * bits) % 32:
+        raise ValueError(f"{n} codes of {bits} bits do not fill whole 32-bit words")
+    codes = codes.astype(mx.uint32)
+    if 32 % bits == 0:
+        per_word = 32 // bits
+        shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+        grouped = codes.reshape(*codes.shape[:-1], n // per_word, per_word)
+        return mx.sum(grouped << shifts, axis=-1).astype(mx.uint32)
+    bit_idx = mx.arange(bits, dtype=mx.uint32)
+    stream = ((codes[..., None] >> bit_idx) & 1).reshape(*codes.shape[:-1], n * bits // 32, 32)
+    return mx.sum(stream << mx.arange(32, dtype=mx.uint32), axis=-1).astype(mx.uint32)
+
+
+@dataclass(frozen=True)
+class KeyTiles:
+    """Quantized K tiles: codes packed along tokens, per-channel alpha/beta, per-token r (fp16).
+
+    K_rot[g, d] = (q[d, g] * alpha[d] + beta[d]) * r[g]
+    """
+
+    codes: mx.array  # [..., W, G*bk/32] uint32
+    alpha: mx.array  # [..., W]
+    beta: mx.array  # [..., W]
+    r: mx.array  # [..., G]
+
+
+@dataclass(frozen=True)
+class ValueTiles:
+    """Quantized V tiles: codes packed along channels, per-token alpha/beta, per-channel c (fp16).
+
+    V_rot[g, d] = (q[g, d] * alpha[g] + beta[g]) * c[d]
+    """
+
+    codes: mx.array  # [..., G, W*bv/32] uint32
+    alpha: mx.array  # [..., G]
+    beta: mx.array  # [..., G]
+    c: mx.array  # [..., W]
+
+
+def quantize_keys(k_rot: mx.array, bits: int, iters: int) -> KeyTiles:
+    """Quantize rotated key tiles [..., G, W] (one slice)."""
+    m = mx.swapaxes(k_rot.astype(mx.float32), -1, -2)
+    log_row, log_col = normalize(m, iters)
+    codes, step, zero = round_rows(_balanced(m, log_row, log_col), bits)
+    s_chan, s_tok = mx.exp(log_row), mx.exp(log_col)
+    f16 = mx.float16
+    return KeyTiles(pack(codes, bits), (s_chan * step).astype(f16), (s_chan * zero).astype(f16), s_tok.astype(f16))
+
+
+def quantize_values(v_rot: mx.array, bits: int, iters: int) -> ValueTiles:
+    """Quantize rotated value tiles [..., G, W] (one slice)."""
+    m = v_rot.astype(mx.float32)
+    log_row, log_col = normalize(m, iters)
+    codes, step, zero = round_rows(_balanced(m, log_row, log_col), bits)
+    s_tok, s_chan = mx.exp(log_row), mx.exp(log_col)
+    f16 = mx.float16
+    return ValueTiles(pack(codes, bits), (s_tok * step).astype(f16), (s_tok * zero).astype(f16), s_chan.astype(f16))
+
+
+def dequantize_keys(tiles: KeyTiles, bits: int) -> mx.array:
+    """Rebuild rotated keys [..., G, W] (float32) from quantized tiles."""
+    g = tiles.r.shape[-1]
+    q = mx.dequantize(tiles.codes, mx.ones(tiles.alpha.shape + (1,), mx.float32),
+                      mx.zeros(tiles.alpha.shape + (1,), mx.float32), group_size=g, bits=bits)
+    k = (q * tiles.alpha[..., None].astype(mx.float32) + tiles.beta[..., None].astype(mx.float32))
+    return mx.swapaxes(k * tiles.r[..., None, :].astype(mx.float32), -1, -2)
+
+
+def dequantize_values(tiles: ValueTiles, bits: int) -> mx.array:
+    """Rebuild rotated values [..., G, W] (float32) from quantized tiles."""
+    w = tiles.c.shape[-1]
+    q = mx.dequantize(tiles.codes, mx.ones(tiles.alpha.shape + (1,), mx.float32),
+                      mx.zeros(tiles.alpha.shape + (1,), mx.float32), group_size=w, bits=bits)
+    v = q * tiles.alpha[..., None].astype(mx.float32) + tiles.beta[..., None].astype(mx.float32)
+    return v * tiles.c[..., None, :].astype(mx.float32)

@@ -1,0 +1,124 @@
+"""Committed records of one layer: quantized tiles laid out for MLX-native attention.
+
+For B rows, H KV heads, S slices of W channels (D = S*W), G tokens per tile, n tiles:
+
+    keys   codes [B,H,S,W, n*G*bk/32]  quantized along tokens, group G = one channel of one tile
+           alpha, beta [B,H,S,W,n]     (MLX scales/biases of those groups)   r [B,H,S, n*G]
+    values codes [B,H,n,G, D*bv/32]    quantized along channels, group W = one slice of one token
+           alpha, beta [B,H,n,G,S]                                            c [B,H,n, D]
+
+Storage grows by ``GROW_TILES`` tiles at a time, so a commit writes only its own tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from kvarn.layout import KVLayout
+from kvarn.quantize import quantize_keys, quantize_values
+
+GROW_TILES = 8
+_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
+# axis along which each field grows with the number of tiles
+_TILE_AXIS = {"k_codes": 4, "k_alpha": 4, "k_beta": 4, "k_r": 3, "v_codes": 2, "v_alpha": 2, "v_beta": 2, "v_c": 2}
+
+
+@dataclass
+class RecordArrays:
+    """The record fields, each sliced or allocated along its tile axis."""
+
+    k_codes: mx.array
+    k_alpha: mx.array
+    k_beta: mx.array
+    k_r: mx.array
+    v_codes: mx.array
+    v_alpha: mx.array
+    v_beta: mx.array
+    v_c: mx.array
+
+
+def quantize_tiles(keys: mx.array, values: mx.array, layout: KVLayout) -> RecordArrays:
+    """Quantize rotated tiles [B,H,n,G,D] into record fields for those n tiles."""
+    B, H, n, G, D = keys.shape
+    W = layout.slice_width(D)
+    S = D // W
+    k = keys.reshape(B, H, n, G, S, W).transpose(0, 1, 2, 4, 3, 5)  # [B,H,n,S,G,W]
+    v = values.reshape(B, H, n, G, S, W).transpose(0, 1, 2, 4, 3, 5)
+    kt = quantize_keys(k, layout.key_bits, layout.iters)
+    vt = quantize_values(v, layout.value_bits, layout.iters)
+    words_k = G * layout.key_bits // 32
+    return RecordArrays(
+        k_codes=kt.codes.transpose(0, 1, 3, 4, 2, 5).reshape(B, H, S, W, n * words_k),
+        k_alpha=kt.alpha.transpose(0, 1, 3, 4, 2),
+        k_beta=kt.beta.transpose(0, 1, 3, 4, 2),
+        k_r=kt.r.transpose(0, 1, 3, 2, 4).reshape(B, H, S, n * G),
+        v_codes=vt.codes.transpose(0, 1, 2, 4, 3, 5).reshape(B, H, n, G, -1),
+        v_alpha=vt.alpha.transpose(0, 1, 2, 4, 3),
+        v_beta=vt.beta.transpose(0, 1, 2, 4, 3),
+        v_c=vt.c.reshape(B, H, n, D),
+    )
+
+
+def _tile_len(name: str, tiles: int, layout: KVLayout) -> int:
+    """Length along the tile axis of ``tiles`` tiles of field ``name``."""
+    if name == "k_codes":
+        return tiles * layout.tile_size * layout.key_bits // 32
+    if name == "k_r":
+        return tiles * layout.tile_size
+    return tiles
+
+
+class RecordStore:
+    """Append-only committed records of one layer (rows share the tile count: one sequence
+    per row, all rows of a single-stream cache advance together)."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.num_tiles = 0
+        self.capacity = 0
+        self.arrays: RecordArrays | None = None
+
+    def append(self, new: RecordArrays, num_new: int) -> None:
+        if self.num_tiles + num_new > self.capacity:
+            self._grow(new, self.num_tiles + num_new)
+        assert self.arrays is not None
+        for name in _FIELDS:
+            axis = _TILE_AXIS[name]
+            start = _tile_len(name, self.num_tiles, self.layout)
+            end = _tile_len(name, self.num_tiles + num_new, self.layout)
+            index = (slice(None),) * axis + (slice(start, end),)
+            getattr(self.arrays, name)[index] = getattr(new, name)
+        self.num_tiles += num_new
+
+    def _grow(self, like: RecordArrays, needed: int) -> None:
+        capacity = -(-needed // GROW_TILES) * GROW_TILES
+        fields = {}
+        for name in _FIELDS:
+            sample = getattr(like, name)
+            axis = _TILE_AXIS[name]
+            shape = list(sample.shape)
+            shape[axis] = _tile_len(name, capacity - self.capacity, self.layout)
+            extra = mx.zeros(shape, sample.dtype)
+            old = getattr(self.arrays, name) if self.arrays is not None else None
+            fields[name] = extra if old is None else mx.concatenate([old, extra], axis=axis)
+        self.arrays = RecordArrays(**fields)
+        self.capacity = capacity
+
+    def view(self) -> RecordArrays | None:
+        """The committed records (sliced to ``num_tiles``), or None when there are none."""
+        if self.arrays is None or self.num_tiles == 0:
+            return None
+        fields = {}
+        for name in _FIELDS:
+            axis = _TILE_AXIS[name]
+            length = _tile_len(name, self.num_tiles, self.layout)
+            fields[name] = getattr(self.arrays, name)[(slice(None),) * axis + (slice(0, length),)]
+        return RecordArrays(**fields)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the committed records (allocation slack of at most GROW_TILES-1 tiles aside)."""
+        view = self.view()
+        return 0 if view is None else sum(getattr(view, name).nbytes for name in _FIELDS)
