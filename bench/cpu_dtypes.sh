@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# kvarn bench on the bundled model: compute dtype x OpenBLAS on MLX's CPU backend (docs/benchmarks.md).
+# kvarn bench on the bundled model: compute dtype x OpenBLAS on MLX's CPU backend, with the
+# unquantized KV cache so that only the weights' dtype and the BLAS differ (docs/benchmarks.md).
 # Usage: bash bench/cpu_dtypes.sh [OUT_DIR]   (default bench/results)
 set -euo pipefail
 out=${1:-bench/results}
 mkdir -p "$out"
 run() {  # name, then kvarn bench flags
   local name=$1; shift
-  kvarn bench "$@" --json "$out/$name.json" --markdown "$out/$name.md"
+  kvarn bench --kv-scheme fp16 "$@" --json "$out/$name.json" --markdown "$out/$name.md"
 }
 run fp32-openblas      --dtype float32
 run fp32-reference     --dtype float32  --no-openblas --repeats 1

@@ -128,8 +128,11 @@ def run_kld(loaded: LoadedModel, config: KldConfig, progress: Callable[[int], No
         ref_logits = model(step, cache=reference)[:, -1]
         arm_logits = [model(step, cache=c)[:, -1] for c in caches]
         progress(1)
+    # bytes as deployed with a half-precision model (fp16 KV, fp16 affine scales), whatever the
+    # compute dtype of this run
     fp16_bytes = KVLayout.fp16("float16").bytes_per_token(head_dim, n_kv) * n_layers
     results = [ArmResult(arm, layout.describe(loaded.fingerprint),
-                         layout.bytes_per_token(head_dim, n_kv) * n_layers, kld[i], top1[i])
+                         layout.with_storage_dtype("float16").bytes_per_token(head_dim, n_kv) * n_layers,
+                         kld[i], top1[i])
                for i, (arm, layout) in enumerate(zip(config.arms, layouts))]
     return results, fp16_bytes

@@ -22,7 +22,7 @@ def to_markdown(rows: list[dict[str, Any]], config: KldConfig, model: str, fp16_
     table = ["| arm | mean KLD | median | p99 | max | top-1 | greedy agree (mean / min tokens) | B/token | x vs fp16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        table.append(f"| {r['arm']} | {r['mean_kld']:.5f} | {r['median_kld']:.5f} | {r['p99_kld']:.4f} | "
+        table.append(f"| {r['arm']} | {r['mean_kld']:.3e} | {r['median_kld']:.2e} | {r['p99_kld']:.2e} | "
                      f"{r['max_kld']:.3f} | {100 * r['top1_agreement']:.2f}% | "
                      f"{r['greedy_agree_tokens_mean']:.0f} / {r['greedy_agree_tokens_min']} | "
                      f"{r['bytes_per_token']:.0f} | {r['compression_vs_fp16']:.2f} |")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
 
 from kvarn.cache import KVarNKVCache
 from kvarn.quantize import rotate
@@ -96,12 +97,19 @@ def decode_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx
     return rotate(out.astype(mx.float32)).astype(dtype).reshape(B, n_q, L, D)
 
 
+def decode_uses_quantized_matmul() -> bool:
+    """MLX's CUDA backend has no ``quantized_matmul`` kernel for some transpose=False shapes the
+    value path needs (2-bit, few rows): there, decode uses the dequantized path (same values to
+    float16 noise) until the fused kernels of ``metal/`` land."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
 def kvarn_attention(queries: mx.array, cache: KVarNKVCache, scale: float, mask: Any) -> mx.array:
     chunk = cache.chunk
     L = queries.shape[2]
     if chunk is not None and chunk.fresh:
         return mx.fast.scaled_dot_product_attention(queries, chunk.keys, chunk.values, scale=scale, mask=mask)
-    if L == 1:
+    if L == 1 and decode_uses_quantized_matmul():
         return decode_attention(queries, cache, scale)
     keys, values = full_history(cache)
     q = rotate(queries.astype(mx.float32)).astype(queries.dtype)
@@ -110,12 +118,23 @@ def kvarn_attention(queries: mx.array, cache: KVarNKVCache, scale: float, mask: 
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
+def affine_dequantized_attention(queries: mx.array, keys: tuple, values: tuple, cache: QuantizedKVCache,
+                                 scale: float, mask: Any, sinks: mx.array | None) -> mx.array:
+    """mlx-lm's affine cache through dequantization: where MLX CUDA has no ``quantized_matmul``
+    kernel for a sequence length (any odd one), this gives the same values to float noise."""
+    k = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits).astype(queries.dtype)
+    v = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits).astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
 def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
         if isinstance(cache, KVarNKVCache):
             if sinks is not None:
                 raise ValueError("KVarN attention does not support attention sinks")
             return kvarn_attention(queries, cache, scale, mask)
+        if isinstance(cache, QuantizedKVCache) and not decode_uses_quantized_matmul():
+            return affine_dequantized_attention(queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     setattr(scaled_dot_product_attention, _SEAM_MARK, True)

@@ -64,3 +64,39 @@ def test_kvarn_reexecs_with_openblas_when_installed():
             "maybe_reexec_with_openblas(); print(openblas_active())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert result.stdout.strip() == str(lib is not None)
+
+
+def test_kld_reports_every_arm(tmp_path):
+    # 128 prompt tokens + 160 positions: the sink fills at 128, one record commits at 256
+    result = kvarn("kld", "--arms", "kvarn:k8v8,kvarn:k2v2,affine:4", "--prompts", "1", "--prompt-tokens", "128",
+                   "--tokens", "160", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "kld.json").read_text())
+    arms = {a["arm"]: a for a in report["arms"]}
+    assert list(arms) == ["kvarn:k8v8", "kvarn:k2v2", "affine:4"]
+    assert 0 < arms["kvarn:k8v8"]["mean_kld"] < arms["kvarn:k2v2"]["mean_kld"]
+    assert arms["kvarn:k2v2"]["bytes_per_token"] == 8 * 2 * (4 * 128 / 8 + 12)  # 8 layers, 2 KV heads
+    assert arms["affine:4"]["bytes_per_token"] == 8 * 2 * 2 * (128 / 2 + 2 * 2 * 128 / 64)
+    assert all(0 <= a["top1_agreement"] <= 1 for a in arms.values())
+    assert (tmp_path / "kld.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| kvarn:k8v8 |" in (tmp_path / "kld.md").read_text()
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("fp16", ("fp16", None, None, 128, 64)), ("kvarn:k4v2", ("kvarn", 4, 2, 128, 64)),
+    ("kvarn:k3v3:g64", ("kvarn", 3, 3, 64, 64)), ("affine:4", ("affine", 4, 4, 128, 64)),
+    ("affine:8:g32", ("affine", 8, 8, 128, 32)),
+])
+def test_parse_arm(spec, expected):
+    from engine.kld import parse_arm
+
+    kv = parse_arm(spec)
+    assert (kv.scheme, kv.key_bits, kv.value_bits, kv.tile, kv.group_size) == expected
+
+
+@pytest.mark.parametrize("spec", ["kvarn", "kvarn:4", "affine:x", "fp16:8", "turbo:k4v2"])
+def test_parse_arm_refuses_bad_specs(spec):
+    from engine.kld import parse_arm
+
+    with pytest.raises(ValueError):
+        parse_arm(spec)
