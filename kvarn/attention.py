@@ -79,8 +79,8 @@ def decode_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx
     B, n_q, L, D = queries.shape
     H = cache.sink_k.shape[1]
     R = (n_q // H) * L
-    dtype = queries.dtype
-    q = rotate(queries.astype(mx.float32)).astype(dtype).reshape(B, H, R, D) * scale
+    dtype = mx.float32  # as the fused SDPA accumulates: fp16/bf16 scores cost ~10x the error
+    q = rotate(queries.astype(mx.float32)).reshape(B, H, R, D) * scale
     sink_k, sink_v = cache.sink_k[..., : cache.sink_len, :], cache.sink_v[..., : cache.sink_len, :]
     tail_k, tail_v = cache.tail_k[..., : cache.tail_len, :], cache.tail_v[..., : cache.tail_len, :]
     view = cache.records.view()
@@ -94,7 +94,7 @@ def decode_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx
     if view is not None:
         out = out + _record_values(probs[..., n_sink: n_sink + n_rec], view, cache)
     out = out + probs[..., n_sink + n_rec:] @ tail_v.astype(dtype)
-    return rotate(out.astype(mx.float32)).astype(dtype).reshape(B, n_q, L, D)
+    return rotate(out).astype(queries.dtype).reshape(B, n_q, L, D)
 
 
 def decode_uses_quantized_matmul() -> bool:

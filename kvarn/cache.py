@@ -22,6 +22,13 @@ from kvarn.record import RecordArrays, RecordStore, quantize_tiles
 STORE_DTYPE = mx.float16
 
 
+def _write(buffer: mx.array, update: mx.array, start: int) -> mx.array:
+    """``buffer`` with ``update`` written at token ``start``, as a new array: never an in-place
+    write, so arrays handed out by ``state`` (or adopted by its setter) never change under
+    their other holders (a snapshot, a fork of the same prefix)."""
+    return mx.slice_update(buffer, update, mx.array([start]), axes=(2,))
+
+
 @dataclass(frozen=True)
 class Chunk:
     """The keys and values of the latest update, as given (unrotated), and whether the cache was
@@ -63,8 +70,8 @@ class KVarNKVCache(_BaseCache):
         used = 0
         if self.offset < G:
             used = min(G - self.offset, L)
-            self.sink_k[..., self.offset: self.offset + used, :] = k_rot[..., :used, :]
-            self.sink_v[..., self.offset: self.offset + used, :] = v_rot[..., :used, :]
+            self.sink_k = _write(self.sink_k, k_rot[..., :used, :], self.offset)
+            self.sink_v = _write(self.sink_v, v_rot[..., :used, :], self.offset)
         if used < L:
             self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
         self.offset += L
@@ -83,8 +90,8 @@ class KVarNKVCache(_BaseCache):
             self.commit(quantize_tiles(tiles_k, tiles_v, self.layout), num_full)
         rest = total - num_full * G
         if rest:
-            self.tail_k[..., :rest, :] = k_all[..., num_full * G:, :]
-            self.tail_v[..., :rest, :] = v_all[..., num_full * G:, :]
+            self.tail_k = _write(self.tail_k, k_all[..., num_full * G:, :], 0)
+            self.tail_v = _write(self.tail_v, v_all[..., num_full * G:, :], 0)
         self.tail_len = rest
 
     def commit(self, tiles: RecordArrays, num_tiles: int) -> None:
@@ -147,13 +154,14 @@ class KVarNKVCache(_BaseCache):
     def meta_state(self) -> tuple[str, ...]:
         layout = self.layout
         return tuple(map(str, (layout.key_bits, layout.value_bits, layout.tile_size, layout.iters,
-                               layout.format_version, self.offset, self.tail_len)))
+                               layout.format_version, layout.storage_dtype, self.offset, self.tail_len)))
 
     @meta_state.setter
     def meta_state(self, values: tuple[str, ...]) -> None:
-        key_bits, value_bits, tile, iters, version, offset, tail_len = map(int, values)
+        key_bits, value_bits, tile, iters, version = map(int, values[:5])
+        offset, tail_len = int(values[6]), int(values[7])
         self.layout = KVLayout(scheme="kvarn", key_bits=key_bits, value_bits=value_bits, tile_size=tile,
-                               iters=iters, format_version=version)
+                               iters=iters, format_version=version, storage_dtype=values[5])
         self.offset, self.tail_len = offset, tail_len
         if getattr(self, "records", None) is not None:
             self.records.layout = self.layout

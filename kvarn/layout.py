@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, replace
 
 FORMAT_VERSION = 1
@@ -67,7 +68,14 @@ class KVLayout:
 
     @classmethod
     def kvarn(cls, preset_or_bits: str | tuple[int, int] = "k4v2", tile_size: int = 128) -> KVLayout:
-        key_bits, value_bits = PRESETS[preset_or_bits] if isinstance(preset_or_bits, str) else preset_or_bits
+        """A KVarN layout from a preset name, any ``kXvY`` (e.g. ``k5v3``), or (key_bits, value_bits)."""
+        if isinstance(preset_or_bits, str):
+            match = re.fullmatch(r"k(\d)v(\d)", preset_or_bits)
+            if match is None:
+                raise ValueError(f"KVarN widths are written kXvY (e.g. k4v2), not {preset_or_bits!r}")
+            key_bits, value_bits = int(match[1]), int(match[2])
+        else:
+            key_bits, value_bits = preset_or_bits
         return cls(scheme="kvarn", key_bits=key_bits, value_bits=value_bits, tile_size=tile_size)
 
     def with_storage_dtype(self, dtype: str) -> KVLayout:
