@@ -14,4 +14,4 @@ run fp32-reference     --dtype float32  --no-openblas --repeats 1
 run bf16-openblas      --dtype bfloat16 --repeats 1
 run bf16-reference     --dtype bfloat16 --no-openblas --repeats 1
 # MLX's CPU quantized matmul is ~10x slower: a shorter run is enough to show it
-run q8native-openblas  --dtype native --prefill-tokens 128 --depths 0,1024 --decode-tokens 16 --repeats 1
+run q8native-openblas  --dtype native --prefill-tokens 64 --depths 0 --decode-tokens 16 --repeats 1
