@@ -33,6 +33,15 @@ def test_run_streams_greedy_answer():
     assert result.stdout.startswith("It is used to list directory contents")
 
 
+def test_bench_honours_the_kv_flags(tmp_path):
+    out_json = tmp_path / "b.json"
+    result = kvarn("bench", "--kv-scheme", "affine", "--kv-bits", "8", "--prefill-tokens", "16", "--depths", "0",
+                   "--decode-tokens", "2", "--repeats", "1", "--json", str(out_json))
+    assert result.returncode == 0, result.stderr
+    kv = json.loads(out_json.read_text())["kv_cache"]
+    assert (kv["scheme"], kv["key_bits"], kv["value_bits"], kv["group_size"]) == ("affine", 8, 8, 64)
+
+
 def test_bench_writes_json_and_markdown(tmp_path):
     out_json, out_md = tmp_path / "b.json", tmp_path / "b.md"
     result = kvarn("bench", "--prefill-tokens", "64", "--depths", "0,128", "--decode-tokens", "8",
@@ -42,7 +51,8 @@ def test_bench_writes_json_and_markdown(tmp_path):
     assert report["prefill"]["tokens"] == 64 and report["prefill"]["tokens_per_s"] > 0
     assert [d["depth"] for d in report["decode"]] == [1, 128]
     assert all(d["tokens"] == 7 and d["tokens_per_s"] > 0 for d in report["decode"])
-    assert report["kv_cache"]["scheme"] == "fp16"
+    kv = report["kv_cache"]
+    assert (kv["scheme"], kv["key_bits"], kv["value_bits"], kv["tile"]) == ("kvarn", 4, 2, 128)  # the default
     assert "decode at depth 128" in out_md.read_text()
 
 
