@@ -21,9 +21,10 @@ logger = logging.getLogger(__name__)
 
 
 def make_layout(kv: KVConfig, loaded: LoadedModel) -> KVLayout:
-    default_key, default_value = (4, 2) if kv.scheme == "kvarn" else (4, 4)
-    return KVLayout(scheme=kv.scheme, key_bits=kv.key_bits or default_key,
-                    value_bits=kv.value_bits or kv.key_bits or default_value, tile_size=kv.tile,
+    key_bits = kv.key_bits or 4
+    # affine has one width for both legs; KVarN's value leg defaults to 2 bits (k4v2)
+    value_bits = kv.value_bits or (key_bits if kv.scheme == "affine" else 2)
+    return KVLayout(scheme=kv.scheme, key_bits=key_bits, value_bits=value_bits, tile_size=kv.tile,
                     group_size=kv.group_size, storage_dtype=loaded.compute_dtype)
 
 
@@ -31,9 +32,10 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     """An engine running ``loaded`` with the KV layout ``kv`` (KVarN k4v2 by default).
 
     Fails at once, not at the first request, if the layout cannot run on this model: the
-    attention seam is installed and one token is run through a fresh cache."""
+    attention seam is installed (quantized layouts route through it: KVarN always, affine where
+    MLX lacks its kernels) and one token is run through a fresh cache."""
     layout = make_layout(kv or KVConfig(), loaded)
-    if layout.scheme == "kvarn":
+    if layout.scheme != "fp16":
         install_attention_seam(loaded.model)
     probe = make_cache(loaded.model, layout)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KVConfig:
-    """The KV layout asked for, in plain values (``None`` bits: the scheme's default, k4v2 for
-    kvarn and 4 bits for affine)."""
+    """The KV layout asked for, in plain values. ``None`` key bits mean 4; ``None`` value bits
+    mean 2 for kvarn (k4v2) and the key width for affine (one width for both legs)."""
 
     scheme: str = "kvarn"
     key_bits: int | None = None

@@ -148,25 +148,17 @@ def install_attention_seam(model: Any) -> list[str]:
     module that holds it is patched. Fails loudly if the model's own module does not hold it
     (a new mlx-lm that moved the seam must not silently run fp16). Returns the patched modules.
     """
-    from mlx_lm.models import base
-
     own = sys.modules[type(model).__module__]
     if not callable(getattr(own, SEAM_NAME, None)):
         raise RuntimeError(f"{own.__name__} has no '{SEAM_NAME}': cannot route attention to KVarN "
                            "(mlx-lm's attention seam moved; refusing to run without it)")
-    original = getattr(base, SEAM_NAME)
-    original = getattr(original, "__wrapped_original__", original)
     patched = []
     for name, module in list(sys.modules.items()):
-        if not name.startswith("mlx_lm.models.") or module is None:
+        current = getattr(module, SEAM_NAME, None) if name.startswith("mlx_lm.models.") else None
+        if current is None:
             continue
-        current = getattr(module, SEAM_NAME, None)
-        if current is None or getattr(current, _SEAM_MARK, False):
-            patched.append(name) if current is not None else None
-            continue
-        dispatch = make_dispatch(current)
-        dispatch.__wrapped_original__ = current  # type: ignore[attr-defined]
-        setattr(module, SEAM_NAME, dispatch)
+        if not getattr(current, _SEAM_MARK, False):  # installed once per module, never wrapped twice
+            setattr(module, SEAM_NAME, make_dispatch(current))
         patched.append(name)
     if own.__name__ not in patched:
         raise RuntimeError(f"failed to install the KVarN attention seam in {own.__name__}")

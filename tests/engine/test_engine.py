@@ -62,3 +62,19 @@ def test_max_tokens_and_context_end_with_length(loaded):
     outputs = run_all(engine, [near_end, short])
     assert len(near_end.output_ids) == 3 and outputs["ctx"][-1].finish_reason is FinishReason.LENGTH
     assert len(short.output_ids) == 5 and outputs["len"][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_kv_config_defaults(loaded):
+    from engine.engine import make_layout
+    from engine.kv_config import KVConfig
+
+    def widths(kv):
+        layout = make_layout(kv, loaded)
+        return layout.scheme, layout.key_bits, layout.value_bits
+
+    assert widths(KVConfig()) == ("kvarn", 4, 2)
+    assert widths(KVConfig("kvarn", key_bits=3)) == ("kvarn", 3, 2)
+    assert widths(KVConfig("kvarn", 8, 8)) == ("kvarn", 8, 8)
+    assert widths(KVConfig("affine")) == ("affine", 4, 4)
+    assert widths(KVConfig("affine", key_bits=8)) == ("affine", 8, 8)
+    assert make_layout(KVConfig("fp16"), loaded).storage_dtype == loaded.compute_dtype
