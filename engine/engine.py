@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import logging
 
+from dataclasses import replace
+
 import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from engine.kv_config import KVConfig
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner
+from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
 from engine.output import OutputState, advance, new_detokenizer
 from engine.request import FinishReason, Request, RequestId, RequestOutput
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
 from kvarn.attention import install_attention_seam
 from kvarn.baselines import count_quantized_layers, make_cache
+from kvarn.batch import make_batch_cache
+from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -32,47 +39,120 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     """An engine running ``loaded`` with the KV layout ``kv`` (KVarN k4v2 by default).
 
     Fails at once, not at the first request, if the layout cannot run on this model: the
-    attention seam is installed (quantized layouts route through it: KVarN always, affine where
-    MLX lacks its kernels) and one token is run through a fresh cache."""
+    attention seam is installed (every layout routes through it: KVarN rows, batches of rows,
+    affine where MLX lacks its kernels) and one token is run through a fresh cache. A KV budget
+    left unset (``config.kv_budget_bytes`` None) is derived from the machine's memory."""
     layout = make_layout(kv or KVConfig(), loaded)
-    if layout.scheme != "fp16":
-        install_attention_seam(loaded.model)
-    probe = make_cache(loaded.model, layout)
+    config = config or SchedulerConfig()
+    install_attention_seam(loaded.model)
+    probe = make_cache(loaded.model, layout, capacity=1)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
-    return Engine(loaded, layout, config)
+    pricing = make_pricing(loaded, layout, config.prefill_chunk_size)
+    if config.kv_budget_bytes is None:
+        weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+        budget = default_budget_bytes(machine_memory_bytes(mx.device_info()), weights)
+        config = replace(config, kv_budget_bytes=budget)
+    return Engine(loaded, layout, config, pricing, batch_decode=can_batch_decode(loaded, layout))
+
+
+def make_pricing(loaded: LoadedModel, layout: KVLayout, prefill_chunk: int) -> Pricing:
+    """Pricing from the model's own caches after one token: a plain attention layer takes the
+    layout, a sliding window is priced as a window, anything else (recurrent state) as
+    measured."""
+    caches = make_prompt_cache(loaded.model)
+    mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=caches))
+    layers = []
+    for cache in caches:
+        if type(cache) in (KVCache, RotatingKVCache):
+            _, heads, _, dim = cache.keys.shape
+            kind, window = ("layout", 0) if type(cache) is KVCache else ("window", cache.max_size)
+            layers.append(LayerSpec(kind, heads, dim, cache.keys.dtype.size, window=window))
+        else:
+            layers.append(LayerSpec("fixed", fixed_bytes=cache.nbytes))
+    args = getattr(loaded.model, "args", None)
+    n_q_heads = getattr(args, "num_attention_heads", None) or max(l.n_kv_heads for l in layers) * 8
+    return Pricing(layout, tuple(layers), n_q_heads, loaded.context_length, prefill_chunk)
+
+
+def can_batch_decode(loaded: LoadedModel, layout: KVLayout) -> bool:
+    """Whether decoding rows can run as one batch: every layer's cache must be an attention
+    cache the batch understands, and a two-row probe must run (else rows decode alone)."""
+    rows = [make_cache(loaded.model, layout, capacity=2) for _ in range(2)]
+    if not all(isinstance(c, (KVCache, RotatingKVCache, KVarNKVCache, QuantizedKVCache)) for c in rows[0]):
+        logger.warning("this model's caches cannot be batched: decoding rows run one at a time")
+        return False
+    try:
+        for row in rows:
+            loaded.model(mx.array([[0]], dtype=mx.int32), cache=row)
+        batch = [make_batch_cache([row[l] for row in rows]) for l in range(len(rows[0]))]
+        mx.eval(loaded.model(mx.array([[1], [2]], dtype=mx.int32), cache=batch))
+        return True
+    except Exception:  # a model that reads the offset as a Python int, etc.
+        logger.warning("batched decode failed on this model: decoding rows run one at a time", exc_info=True)
+        return False
+
+
+class RequestTooLarge(ValueError):
+    """A request whose reservation exceeds the whole KV budget: it could never be admitted."""
 
 
 class Engine:
     """Requests in, ``RequestOutput`` deltas out. Invariant: every added request gets exactly one
     output with ``finish_reason`` set, after which the engine holds nothing of it."""
 
-    def __init__(self, loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig | None = None,
+                 pricing: Pricing | None = None, batch_decode: bool = True) -> None:
         self.loaded = loaded
         self.layout = layout
-        self.scheduler = Scheduler(config or SchedulerConfig())
-        self.runner = ModelRunner(loaded, layout)
+        self.pricing = pricing or make_pricing(loaded, layout, (config or SchedulerConfig()).prefill_chunk_size)
+        self.scheduler = Scheduler(config or SchedulerConfig(), self._price)
+        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity)
         self.requests: dict[RequestId, Request] = {}
         self._outputs: dict[RequestId, OutputState] = {}
         self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
 
+    def _price(self, request: Request, n: int) -> Reservation:
+        return self.pricing.reservation(request.num_prompt_tokens, request.params.max_tokens, n)
+
+    def _capacity(self, request: Request) -> int:
+        return self.pricing.reserved_tokens(request.num_prompt_tokens, request.params.max_tokens)
+
+    @property
+    def kv_budget_bytes(self) -> int | None:
+        return self.scheduler.config.kv_budget_bytes
+
     def describe_kv(self) -> dict[str, object]:
         """The layout in force, with how many layers use it (others keep their own cache)."""
         used, total = count_quantized_layers(self.loaded.model, self.layout)
-        return {**self.layout.describe(self.loaded.fingerprint), "layers": total, "layers_with_layout": used}
+        return {**self.layout.describe(self.loaded.fingerprint), "layers": total, "layers_with_layout": used,
+                "budget_bytes": self.kv_budget_bytes, "batched_decode": self.runner.batch_decode}
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id}")
-        self.requests[request.request_id] = request
-        self._outputs[request.request_id] = OutputState(new_detokenizer(self.loaded.tokenizer), request.params.stop)
+    def add_request(self, request: Request, forks: tuple[Request, ...] = ()) -> None:
+        """Queue ``request`` and its other choices (``n > 1``: ``forks`` share its prompt).
+        Raises ``RequestTooLarge`` if their reservation exceeds the whole budget."""
+        group = (request, *forks)
+        for member in group:
+            if member.request_id in self.requests:
+                raise ValueError(f"duplicate request id {member.request_id}")
+        if not self.scheduler.fits_alone(request, len(group)):
+            need = self._price(request, len(group)).total
+            raise RequestTooLarge(f"this request needs {need:,} bytes of KV cache (prompt {request.num_prompt_tokens} "
+                                  f"+ max_tokens {request.params.max_tokens}, n={len(group)}) but the whole "
+                                  f"KV budget is {self.kv_budget_bytes:,} bytes; reduce max_tokens, the prompt or n")
+        for member in group:
+            self.requests[member.request_id] = member
+            self._outputs[member.request_id] = OutputState(new_detokenizer(self.loaded.tokenizer), member.params.stop)
         self.scheduler.add(request)
+        for fork in forks:
+            fork.fork_of = request.request_id
+            self.scheduler.add(fork)
 
-    def abort_request(self, request_id: RequestId) -> RequestOutput | None:
+    def abort_request(self, request_id: RequestId) -> list[RequestOutput]:
+        """End a request now (with the choices it had not forked yet)."""
         request = self.requests.get(request_id)
         if request is None:
-            return None
-        self.scheduler.finish(request, FinishReason.ABORT)
-        return self._final(request, FinishReason.ABORT)
+            return []
+        return self._finish(request, FinishReason.ABORT)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -93,9 +173,9 @@ class Engine:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = []
         for request_id, reason in result.failed.items():
-            request = self.requests[request_id]
-            self.scheduler.finish(request, FinishReason.ERROR)
-            outputs.append(self._final(request, FinishReason.ERROR, error=reason))
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs += self._finish(request, FinishReason.ERROR, error=reason)
         for request in self.scheduler.update(plan, result):
             sampled = result.sampled[request.request_id]
             delta = advance(self._outputs[request.request_id], request, sampled.token_id, sampled.logprob,
@@ -106,13 +186,17 @@ class Engine:
             if delta.text or delta.token_ids or delta.finish_reason is not None:
                 outputs.append(RequestOutput(
                     request.request_id, delta.text, delta.token_ids, delta.logprobs,
-                    request.num_prompt_tokens, len(request.output_ids), delta.finish_reason))
+                    request.num_prompt_tokens, len(request.output_ids), delta.finish_reason, index=request.index))
         return outputs
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
+        orphans = self.scheduler.finish(request, reason)
+        return [self._final(r, reason, error) for r in (request, *orphans)]
 
     def _final(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self._forget(request)
         return RequestOutput(request.request_id, "", (), (), request.num_prompt_tokens,
-                             len(request.output_ids), reason, error)
+                             len(request.output_ids), reason, error, index=request.index)
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

@@ -13,10 +13,10 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.request import Request, RequestId, RequestOutput, SamplingParams
+from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.kv_config import KVConfig
 
@@ -34,6 +34,7 @@ class EngineConfig:
     dtype: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv: KVConfig = field(default_factory=KVConfig)
+    max_queue: int = 1024  # requests waiting for admission beyond this are refused (429)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,15 @@ class EngineNotReady(RuntimeError):
     pass
 
 
+class RequestRejected(Exception):
+    """A request refused before it reaches the engine: ``status`` 400 (it can never fit in the
+    KV budget) or 429 (the waiting queue is full; retry after ``retry_after`` seconds)."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+
 class EngineClient:
     """Thread-safe facade over ``Engine``. ``start()`` returns at once; ``ready`` is set when the
     model is loaded (or ``load_error`` when it could not be)."""
@@ -64,7 +74,11 @@ class EngineClient:
         self._tokenizer: Any = None
         self._inbox: queue.Queue[Callable[[Any], None]] = queue.Queue()
         self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
-        self._stats = {"running": 0, "waiting": 0, "kv_bytes": 0}
+        self._stats = {"running": 0, "waiting": 0, "kv_bytes": 0, "reserved_bytes": 0}
+        self._submitted = 0  # adds sent to the engine thread and not yet taken from the inbox
+        self._lock = threading.Lock()
+        self._pricing: Any = None
+        self._budget: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvarn-engine", daemon=True)
 
@@ -95,32 +109,77 @@ class EngineClient:
 
     # --- requests ---
     def stats(self) -> dict[str, int]:
-        return dict(self._stats)
+        with self._lock:
+            return {**self._stats, "budget_bytes": self._budget or 0}
+
+    def check_admission(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
+        """Raise ``RequestRejected`` for a request that can never fit (400) or when the waiting
+        queue is full (429). Called before a response starts, so the client gets a status."""
+        if self._pricing is not None and self._budget is not None:
+            need = self._pricing.reservation(prompt_tokens, max_tokens, n).total
+            if need > self._budget:
+                raise RequestRejected(400, f"This request needs {need:,} bytes of KV cache (a {prompt_tokens}-token "
+                                           f"prompt + max_tokens {max_tokens}, n={n}) but the server's whole KV "
+                                           f"budget is {self._budget:,} bytes. Reduce max_tokens, the prompt or n.",
+                                      code="kv_budget_exceeded")
+        with self._lock:
+            queued = self._stats["waiting"] + self._submitted
+        if queued >= self.config.max_queue:
+            raise RequestRejected(429, f"The server is at capacity ({queued} requests waiting); retry shortly.",
+                                  code="queue_full", retry_after=1)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs; the last one has ``finish_reason`` set. Leaving the loop
-        early (a client disconnect cancels it) aborts the request inside the engine."""
+                       request_id: str | None = None, n: int = 1) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (``n`` choices, told apart by ``index``); the stream ends
+        when every choice has had its output with ``finish_reason``. Leaving the loop early (a
+        client disconnect cancels it) aborts the request inside the engine."""
         if not self.ready.is_set():
             raise EngineNotReady("the model is still loading")
+        self.check_admission(len(prompt_ids), params.max_tokens, n)
         rid = RequestId(request_id or uuid.uuid4().hex)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[rid] = (asyncio.get_running_loop(), outputs)
-        request = Request(rid, list(prompt_ids), params)
-        self._inbox.put(lambda engine: engine.add_request(request))
-        finished = False
+        loop = asyncio.get_running_loop()
+        requests = [Request(RequestId(rid if i == 0 else f"{rid}-{i}"), list(prompt_ids), _choice_params(params, i),
+                            index=i) for i in range(n)]
+        for request in requests:
+            self._streams[request.request_id] = (loop, outputs)
+        with self._lock:
+            self._submitted += 1
+        self._inbox.put(lambda engine: self._add(engine, requests))
+        open_choices = {r.request_id for r in requests}
         try:
-            while not finished:
+            while open_choices:
                 output = await outputs.get()
-                finished = output.finished
+                if output.finished:
+                    open_choices.discard(output.request_id)
                 yield output
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
+            for request in requests:
+                self._streams.pop(request.request_id, None)
+            if open_choices:
                 self.abort(rid)
 
+    def _add(self, engine: Any, requests: list[Request]) -> list[RequestOutput]:
+        with self._lock:
+            self._submitted -= 1
+        try:
+            engine.add_request(requests[0], tuple(requests[1:]))
+        except ValueError as exc:  # too large for the budget (raced a budget check) or a duplicate id
+            return [RequestOutput(r.request_id, "", (), (), r.num_prompt_tokens, 0, FinishReason.ERROR, str(exc),
+                                  index=r.index) for r in requests]
+        return []
+
     def abort(self, request_id: str) -> None:
-        self._inbox.put(lambda engine: engine.abort_request(RequestId(request_id)))
+        self._inbox.put(lambda engine: self._abort(engine, RequestId(request_id)))
+
+    @staticmethod
+    def _abort(engine: Any, request_id: RequestId) -> list[RequestOutput]:
+        """Abort all choices of a request (forks not yet made go with their parent)."""
+        outputs = engine.abort_request(request_id)
+        prefix = request_id + "-"
+        for other in [r for r in engine.requests if r.startswith(prefix) and r[len(prefix):].isdigit()]:
+            outputs += engine.abort_request(other)
+        return outputs
 
     # --- the engine thread ---
     def _main(self) -> None:
@@ -131,6 +190,10 @@ class EngineClient:
             loaded = load_model(self.config.model_path, self.config.dtype, self.config.model_id)
             engine = make_engine(loaded, self.config.scheduler, self.config.kv)
             self._tokenizer = loaded.tokenizer
+            self._pricing, self._budget = engine.pricing, engine.kv_budget_bytes
+            logger.info("KV layout %s; KV budget %s bytes (%.1f MiB); a full-context sequence costs %s bytes",
+                        engine.layout.name, f"{self._budget:,}", self._budget / 2**20,
+                        f"{engine.pricing.sequence_bytes(loaded.context_length):,}")
             self.info = ModelInfo(loaded.model_id, loaded.context_length, loaded.fingerprint,
                                   loaded.compute_dtype, engine.describe_kv(), loaded.vocab_size)
         except BaseException as exc:  # reported through /health; the server stays up to say so
@@ -150,8 +213,7 @@ class EngineClient:
         except queue.Empty:
             return
         while True:
-            output = command(engine)
-            if isinstance(output, RequestOutput):
+            for output in command(engine) or ():
                 self._dispatch(output)
             try:
                 command = self._inbox.get_nowait()
@@ -164,18 +226,27 @@ class EngineClient:
             outputs = engine.step()
         except Exception:  # the runner already isolates row failures; this is a last resort
             logger.exception("engine step failed; aborting its requests")
-            outputs = [engine.abort_request(rid) for rid in list(engine.requests)]
+            outputs = [o for rid in list(engine.requests) for o in engine.abort_request(rid)]
         for output in outputs:
-            if output is not None:
-                self._dispatch(output)
+            self._dispatch(output)
         self._update_stats(engine)
 
     def _update_stats(self, engine: Any) -> None:
-        self._stats = {"running": engine.num_running, "waiting": engine.num_waiting,
-                       "kv_bytes": engine.runner.kv_nbytes()}
+        stats = {"running": engine.num_running, "waiting": engine.num_waiting,
+                 "kv_bytes": engine.runner.kv_nbytes(), "reserved_bytes": engine.scheduler.reserved_bytes}
+        with self._lock:
+            self._stats = stats
 
     def _dispatch(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
         if stream is not None:
             loop, outputs = stream
             loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index`` of ``n``: a seeded request seeds choice i with seed + i, so every choice
+    is reproducible and the choices differ."""
+    if index == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + index)

@@ -1,7 +1,12 @@
-"""The model runner: owns the per-row KV caches and sampler states, runs forwards and samples.
+"""The model runner: owns the rows (per-request KV caches and sampler states), runs forwards and
+samples.
 
-Only the engine thread calls it. All rows of a step are built as lazy MLX graphs first and
-evaluated together, so one step costs one synchronisation whatever the number of rows.
+Only the engine thread calls it. Prompt chunks run one row at a time (a chunk is already a
+matrix of tokens); all decoding rows run as one batch: one forward of [B, 1] tokens over a
+batch cache per layer (``kvarn.batch``) whose rows are the requests' own caches, so the weight
+matmuls are shared and every row still attends over exactly its own tokens. The decode batch
+persists across steps: rows join (``extend``) and leave (``filter``) without copying anyone's
+cache. Everything of a step is built as lazy MLX graphs and evaluated together.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ import mlx.core as mx
 from engine.loader import LoadedModel
 from engine.request import Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import SampleArrays, SamplerState, make_sampler_state, sample
-from engine.step_types import SampledToken, StepPlan, StepResult
-from kvarn.baselines import cache_nbytes, make_cache
+from engine.step_types import PrefillChunk, SampledToken, StepPlan, StepResult
+from kvarn.baselines import cache_nbytes, fork_cache, make_cache
+from kvarn.batch import BatchRows, make_batch_cache
 from kvarn.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -32,11 +38,54 @@ class Row:
     params: SamplingParams
 
 
+class DecodeBatch:
+    """The rows decoding together, in a stable order, as one batch cache per layer."""
+
+    def __init__(self) -> None:
+        self.ids: list[RequestId] = []
+        self.layers: list[BatchRows] = []
+
+    def sync(self, wanted: tuple[RequestId, ...], rows: Mapping[RequestId, Row]) -> None:
+        """Rows not in ``wanted`` leave; new ones join at the end (nobody's cache is copied)."""
+        keep = set(wanted)
+        if any(i not in keep for i in self.ids):
+            kept = [k for k, i in enumerate(self.ids) if i in keep]
+            for layer in self.layers:
+                layer.filter(kept)
+            self.ids = [self.ids[k] for k in kept]
+        present = set(self.ids)
+        joining = [i for i in wanted if i not in present]
+        if not joining:
+            return
+        if not self.layers:
+            self.layers = [make_batch_cache([rows[i].cache[l] for i in joining])
+                           for l in range(len(rows[joining[0]].cache))]
+        else:
+            for l, layer in enumerate(self.layers):
+                layer.extend(rows[i].cache[l] for i in joining)
+        self.ids.extend(joining)
+
+    def drop(self, gone: tuple[RequestId, ...]) -> None:
+        """Rows that ended leave at once (their caches are released with them)."""
+        if any(i in gone for i in self.ids):
+            self.sync(tuple(i for i in self.ids if i not in gone), {})
+
+    def clear(self) -> None:
+        self.ids, self.layers = [], []
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, layout: KVLayout) -> None:
+    def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
+                 capacity: Any = None) -> None:
+        """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
+        once); ``batch_decode`` False runs each decoding row alone (models whose caches cannot
+        be batched, e.g. recurrent layers)."""
         self.loaded = loaded
         self.layout = layout
+        self.batch_decode = batch_decode
+        self.capacity = capacity
         self.rows: dict[RequestId, Row] = {}
+        self.batch = DecodeBatch()
 
     def kv_nbytes(self) -> int:
         return sum(cache_nbytes(row.cache) for row in self.rows.values())
@@ -44,44 +93,68 @@ class ModelRunner:
     def run(self, plan: StepPlan, requests: Mapping[RequestId, Request]) -> StepResult:
         for request_id in plan.freed:
             self.rows.pop(request_id, None)
+        self.batch.drop(plan.freed)
         pending: dict[RequestId, SampleArrays] = {}
-        for chunk in plan.prefills:
-            request = requests[chunk.request_id]
-            row = self.rows.get(chunk.request_id) or self._new_row(request)
-            tokens = request.prompt_ids[chunk.start_idx : chunk.end_idx]
-            logits = self._forward(row, tokens)
-            if chunk.is_last:
-                pending[chunk.request_id] = sample(logits, row.params, row.sampler)
-            else:
-                mx.async_eval([c.state for c in row.cache])
-        for request_id in plan.decodes:
-            row = self.rows[request_id]
-            logits = self._forward(row, requests[request_id].output_ids[-1:])
-            pending[request_id] = sample(logits, row.params, row.sampler)
         try:
+            for chunk in plan.prefills:
+                self._prefill(chunk, requests, pending)
+            if plan.decodes:
+                self._decode(plan.decodes, requests, pending)
             states = [self.rows[i].sampler for i in pending]
             mx.eval([a for arrays in pending.values() for a in vars(arrays).values() if a is not None]
                     + [s.key for s in states] + [s.counts for s in states if s.counts is not None])
             return StepResult(sampled=self._collect(pending))
         except Exception as exc:  # a failed step fails its rows, never the engine
             logger.exception("step failed")
-            involved = [c.request_id for c in plan.prefills] + list(plan.decodes)
+            involved = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks]
+            involved += list(plan.decodes)
             for request_id in involved:
                 self.rows.pop(request_id, None)
+            self.batch.clear()
             return StepResult(failed={request_id: f"generation failed: {exc}" for request_id in involved})
 
+    def _prefill(self, chunk: PrefillChunk, requests: Mapping[RequestId, Request],
+                 pending: dict[RequestId, SampleArrays]) -> None:
+        request = requests[chunk.request_id]
+        row = self.rows.get(chunk.request_id) or self._new_row(request)
+        tokens = mx.array(request.prompt_ids[chunk.start_idx: chunk.end_idx], dtype=mx.int32)[None]
+        logits = self.loaded.model(tokens, cache=row.cache)[0, -1]
+        if not chunk.is_last:
+            mx.async_eval([c.state for c in row.cache])
+            return
+        for fork_id in chunk.forks:  # n > 1: the other choices share this prompt's history
+            fork = requests[fork_id]
+            self.rows[fork_id] = Row(fork_cache(row.cache), make_sampler_state(fork.params, self.loaded.vocab_size),
+                                     fork.params)
+        for request_id in (chunk.request_id, *chunk.forks):
+            state = self.rows[request_id]
+            pending[request_id] = sample(logits, state.params, state.sampler)
+
+    def _decode(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
+                pending: dict[RequestId, SampleArrays]) -> None:
+        if not self.batch_decode:
+            for request_id in ids:
+                row = self.rows[request_id]
+                tokens = mx.array(requests[request_id].output_ids[-1:], dtype=mx.int32)[None]
+                pending[request_id] = sample(self.loaded.model(tokens, cache=row.cache)[0, -1], row.params,
+                                             row.sampler)
+            return
+        self.batch.sync(ids, self.rows)
+        tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
+        logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
+        for b, request_id in enumerate(self.batch.ids):
+            row = self.rows[request_id]
+            pending[request_id] = sample(logits[b], row.params, row.sampler)
+
     def _new_row(self, request: Request) -> Row:
+        capacity = self.capacity(request) if self.capacity is not None else None
         row = Row(
-            cache=make_cache(self.loaded.model, self.layout),
+            cache=make_cache(self.loaded.model, self.layout, capacity),
             sampler=make_sampler_state(request.params, self.loaded.vocab_size),
             params=request.params,
         )
         self.rows[request.request_id] = row
         return row
-
-    def _forward(self, row: Row, tokens: list[int]) -> mx.array:
-        logits = self.loaded.model(mx.array(tokens, dtype=mx.int32)[None], cache=row.cache)
-        return logits[0, -1]
 
     @staticmethod
     def _collect(pending: dict[RequestId, SampleArrays]) -> dict[RequestId, SampledToken]:

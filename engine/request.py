@@ -72,6 +72,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     finish_reason: FinishReason | None = None
+    fork_of: RequestId | None = None  # choice ``index`` > 0 of an ``n > 1`` request: forked at prefill end
+    index: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -107,6 +109,7 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: FinishReason | None = None
     error: str | None = None
+    index: int = 0
 
     @property
     def finished(self) -> bool:

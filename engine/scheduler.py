@@ -4,64 +4,126 @@ Each step it plans decode-first: every running row whose prompt is done decodes 
 the rest of the token budget goes to prompt chunks, first of rows already admitted, then of
 newly admitted waiting requests (FIFO). A long prompt therefore never stalls running streams
 for more than one chunk.
+
+Admission is by capacity: a waiting request is admitted only if its reservation (``Pricing``:
+the exact KV bytes of prompt + max_tokens, plus one prefill chunk's transient memory until its
+prompt is done) fits in the KV budget beside what running requests hold. The queue is FIFO: a
+head that does not fit yet waits, and nothing behind it overtakes it.
+
+``n > 1``: the other choices of a request are added with ``fork_of`` set. They wait beside
+their parent (priced with it), and when the parent's last prompt chunk runs they become rows
+sharing its history (no second prefill), each with its own share of the reservation.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, RequestStatus
 from engine.step_types import PrefillChunk, StepPlan, StepResult
+
+PriceFn = Callable[[Request, int], Reservation]  # (request, number of choices) -> reservation
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """``max_num_seqs`` rows at once; ``max_num_batched_tokens`` tokens per step (decode rows
-    count one each); prompt chunks of at most ``prefill_chunk_size`` tokens."""
+    count one each); prompt chunks of at most ``prefill_chunk_size`` tokens; reservations
+    within ``kv_budget_bytes`` (None: no byte limit)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     prefill_chunk_size: int = 512
+    kv_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.prefill_chunk_size < 1:
             raise ValueError("max_num_seqs and prefill_chunk_size must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one token per decode row)")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes < 0:
+            raise ValueError("kv_budget_bytes must be >= 0")
 
 
 class Scheduler:
     """Waiting and running queues; ``plan()`` makes a ``StepPlan``, ``update()`` consumes its result.
 
-    Invariants: a request is in at most one queue; ``running`` keeps admission order; a row
-    that finished or was aborted is reported in the next plan's ``freed`` exactly once.
+    Invariants: a request is in at most one queue (pending forks live beside their parent);
+    ``running`` keeps admission order; a row that finished or was aborted is reported in the
+    next plan's ``freed`` exactly once; ``reserved_bytes`` is the sum of the reservations of
+    running requests and never exceeds the budget.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, price: PriceFn | None = None) -> None:
         self.config = config
+        self.price = price
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.forks: dict[RequestId, list[Request]] = {}
+        self.reservations: dict[RequestId, Reservation] = {}
         self._freed: list[RequestId] = []
 
+    # --- admission ---
+    def reservation(self, request: Request, n: int = 1) -> Reservation:
+        return self.price(request, n) if self.price is not None else Reservation(0)
+
+    def fits_alone(self, request: Request, n: int = 1) -> bool:
+        budget = self.config.kv_budget_bytes
+        return budget is None or self.reservation(request, n).total <= budget
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(r.total for r in self.reservations.values())
+
+    def _fits(self, reservation: Reservation) -> bool:
+        budget = self.config.kv_budget_bytes
+        return budget is None or self.reserved_bytes + reservation.total <= budget
+
+    # --- queues ---
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        if request.fork_of is not None:
+            parent = next((r for r in self.waiting if r.request_id == request.fork_of), None)
+            if parent is None:
+                raise ValueError(f"fork {request.request_id} needs its parent {request.fork_of} waiting")
+            self.forks.setdefault(request.fork_of, []).append(request)
+            return
         self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._freed)
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """Remove a request from whichever queue holds it; its row is freed at the next step."""
+    def finish(self, request: Request, reason: FinishReason) -> list[Request]:
+        """Remove a request from whichever queue holds it; its row is freed at the next step.
+        Returns the pending forks that ended with it (a parent that never finished its prompt
+        takes its unforked choices along)."""
         if request.is_finished:
-            return
+            return []
         if request in self.running:
             self.running.remove(request)
             self._freed.append(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request.fork_of is not None and request in self.forks.get(request.fork_of, []):
+            self.forks[request.fork_of].remove(request)
+            self._shrink_parent(request.fork_of)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self.reservations.pop(request.request_id, None)
+        orphans = self.forks.pop(request.request_id, [])
+        for fork in orphans:
+            fork.status = RequestStatus.FINISHED
+            fork.finish_reason = reason
+        return orphans
+
+    def _shrink_parent(self, parent_id: RequestId) -> None:
+        """A pending fork left: its parent (if admitted) holds one choice less."""
+        parent = next((r for r in self.running if r.request_id == parent_id), None)
+        if parent is not None:
+            self.reservations[parent_id] = self.reservation(parent, 1 + len(self.forks[parent_id]))
 
     def plan(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
@@ -75,10 +137,18 @@ class Scheduler:
                 chunk = self._chunk(request, budget)
                 prefills.append(chunk)
                 budget -= chunk.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.popleft()
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            n = 1 + len(self.forks.get(request.request_id, ()))
+            if len(self.running) + n > self.config.max_num_seqs and self.running:
+                break
+            reservation = self.reservation(request, n)
+            if not self._fits(reservation):
+                break
+            self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.reservations[request.request_id] = reservation
             chunk = self._chunk(request, budget)
             prefills.append(chunk)
             budget -= chunk.num_tokens
@@ -89,15 +159,21 @@ class Scheduler:
         start = request.num_computed_tokens
         size = min(request.num_prompt_tokens - start, budget, self.config.prefill_chunk_size)
         end = start + size
-        return PrefillChunk(request.request_id, start, end, is_last=end == request.num_prompt_tokens)
+        is_last = end == request.num_prompt_tokens
+        forks = tuple(f.request_id for f in self.forks.get(request.request_id, ())) if is_last else ()
+        return PrefillChunk(request.request_id, start, end, is_last=is_last, forks=forks)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Advance computed counts and append sampled tokens; return requests that got a token."""
+        """Advance computed counts, start forks, append sampled tokens; return requests that
+        got a token."""
         by_id = {r.request_id: r for r in self.running}
         for chunk in plan.prefills:
             request = by_id.get(chunk.request_id)
-            if request is not None:
-                request.num_computed_tokens = chunk.end_idx
+            if request is None:
+                continue
+            request.num_computed_tokens = chunk.end_idx
+            if chunk.is_last:
+                self._end_prefill(request, chunk, by_id)
         for request_id in plan.decodes:
             request = by_id.get(request_id)
             if request is not None:
@@ -109,3 +185,19 @@ class Scheduler:
                 request.output_ids.append(sampled.token_id)
                 advanced.append(request)
         return advanced
+
+    def _end_prefill(self, request: Request, chunk: PrefillChunk, by_id: dict[RequestId, Request]) -> None:
+        """The prompt is in the cache: the transient is released and the forks become rows
+        (a request whose step failed was finished before this, with its forks)."""
+        forks = [f for f in self.forks.pop(request.request_id, []) if f.request_id in chunk.forks]
+        held = self.reservations[request.request_id]
+        share = Reservation(kv=held.kv // (1 + len(forks)))
+        self.reservations[request.request_id] = share
+        position = self.running.index(request) + 1
+        for fork in forks:
+            fork.status = RequestStatus.RUNNING
+            fork.num_computed_tokens = chunk.end_idx
+            self.running.insert(position, fork)
+            position += 1
+            self.reservations[fork.request_id] = share
+            by_id[fork.request_id] = fork

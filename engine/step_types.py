@@ -9,7 +9,9 @@ from engine.request import RequestId, TokenLogprob
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Prompt tokens ``[start_idx, end_idx)`` of one request; ``is_last`` samples a token.
+    """Prompt tokens ``[start_idx, end_idx)`` of one request; ``is_last`` samples a token, and
+    then each request in ``forks`` (the other choices of ``n > 1``) becomes a row sharing this
+    row's history and samples its own first token from the same logits.
 
     prompt:  |<- computed ->|<-- this chunk -->|<- later chunks ->|
              0          start_idx          end_idx           len(prompt)
@@ -19,6 +21,7 @@ class PrefillChunk:
     start_idx: int
     end_idx: int
     is_last: bool
+    forks: tuple[RequestId, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
+from kvarn.batch import BatchRows, batch_attention
 from kvarn.cache import KVarNKVCache
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
@@ -129,6 +130,8 @@ def affine_dequantized_attention(queries: mx.array, keys: tuple, values: tuple, 
 
 def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
+        if isinstance(cache, BatchRows):
+            return batch_attention(scaled_dot_product_attention, queries, cache, scale, mask, sinks)
         if isinstance(cache, KVarNKVCache):
             if sinks is not None:
                 raise ValueError("KVarN attention does not support attention sinks")

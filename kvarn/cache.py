@@ -97,6 +97,15 @@ class KVarNKVCache(_BaseCache):
     def commit(self, tiles: RecordArrays, num_tiles: int) -> None:
         self.records.append(tiles, num_tiles)
 
+    def fork(self) -> KVarNKVCache:
+        """A copy of this row that shares every array (sink, tail, records): all writes make new
+        arrays, so the two rows diverge without touching each other and without re-quantizing."""
+        other = KVarNKVCache.__new__(KVarNKVCache)
+        other.__dict__.update(self.__dict__)
+        other.records = self.records.fork()
+        other.chunk = None
+        return other
+
     # --- reading (for kvarn.attention) ---
     @property
     def sink_len(self) -> int:

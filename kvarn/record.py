@@ -7,7 +7,7 @@ For B rows, H KV heads, S slices of W channels (D = S*W), G tokens per tile, n t
     values codes [B,H,n,G, D*bv/32]    quantized along channels, group W = one slice of one token
            alpha, beta [B,H,n,G,S]                                            c [B,H,n, D]
 
-Storage grows by ``GROW_TILES`` tiles at a time, so a commit writes only its own tiles.
+Storage holds exactly the committed tiles; arrays are never written in place (see RecordStore).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import mlx.core as mx
 from kvarn.layout import KVLayout
 from kvarn.quantize import quantize_keys, quantize_values
 
-GROW_TILES = 8
 _FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
 # axis along which each field grows with the number of tiles
 _TILE_AXIS = {"k_codes": 4, "k_alpha": 4, "k_beta": 4, "k_r": 3, "v_codes": 2, "v_alpha": 2, "v_beta": 2, "v_c": 2}
@@ -71,54 +70,38 @@ def _tile_len(name: str, tiles: int, layout: KVLayout) -> int:
 
 
 class RecordStore:
-    """Append-only committed records of one layer (rows share the tile count: one sequence
-    per row, all rows of a single-stream cache advance together)."""
+    """Committed records of one layer, append-only and never written in place.
+
+    Each commit makes new arrays (old records + new tiles), so the arrays a store hands out are
+    immutable: a fork of a row (``n > 1``), a snapshot or the prefix cache may share them and
+    nothing they hold ever changes. Storage is exactly the committed tiles (no slack), which is
+    what capacity pricing charges; the copy per commit is one layer's records every G tokens.
+    """
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.num_tiles = 0
-        self.capacity = 0
         self.arrays: RecordArrays | None = None
 
     def append(self, new: RecordArrays, num_new: int) -> None:
-        if self.num_tiles + num_new > self.capacity:
-            self._grow(new, self.num_tiles + num_new)
-        assert self.arrays is not None
-        for name in _FIELDS:
-            axis = _TILE_AXIS[name]
-            start = _tile_len(name, self.num_tiles, self.layout)
-            end = _tile_len(name, self.num_tiles + num_new, self.layout)
-            index = (slice(None),) * axis + (slice(start, end),)
-            getattr(self.arrays, name)[index] = getattr(new, name)
+        if self.arrays is None:
+            self.arrays = new
+        else:
+            self.arrays = RecordArrays(**{name: mx.concatenate([getattr(self.arrays, name), getattr(new, name)],
+                                                               axis=_TILE_AXIS[name]) for name in _FIELDS})
         self.num_tiles += num_new
 
-    def _grow(self, like: RecordArrays, needed: int) -> None:
-        capacity = -(-needed // GROW_TILES) * GROW_TILES
-        fields = {}
-        for name in _FIELDS:
-            sample = getattr(like, name)
-            axis = _TILE_AXIS[name]
-            shape = list(sample.shape)
-            shape[axis] = _tile_len(name, capacity - self.capacity, self.layout)
-            extra = mx.zeros(shape, sample.dtype)
-            old = getattr(self.arrays, name) if self.arrays is not None else None
-            fields[name] = extra if old is None else mx.concatenate([old, extra], axis=axis)
-        self.arrays = RecordArrays(**fields)
-        self.capacity = capacity
+    def fork(self) -> RecordStore:
+        """A store sharing these records (safe: they are never written in place)."""
+        other = RecordStore(self.layout)
+        other.num_tiles, other.arrays = self.num_tiles, self.arrays
+        return other
 
     def view(self) -> RecordArrays | None:
-        """The committed records (sliced to ``num_tiles``), or None when there are none."""
-        if self.arrays is None or self.num_tiles == 0:
-            return None
-        fields = {}
-        for name in _FIELDS:
-            axis = _TILE_AXIS[name]
-            length = _tile_len(name, self.num_tiles, self.layout)
-            fields[name] = getattr(self.arrays, name)[(slice(None),) * axis + (slice(0, length),)]
-        return RecordArrays(**fields)
+        """The committed records, or None when there are none."""
+        return self.arrays if self.num_tiles else None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the committed records (allocation slack of at most GROW_TILES-1 tiles aside)."""
-        view = self.view()
-        return 0 if view is None else sum(getattr(view, name).nbytes for name in _FIELDS)
+        """Bytes of the committed records (exactly what they hold in memory)."""
+        return 0 if self.arrays is None else sum(getattr(self.arrays, name).nbytes for name in _FIELDS)

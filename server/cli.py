@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
     serve.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
     serve.add_argument("--prefill-chunk-size", type=int, default=512, help="largest prompt chunk per step")
+    serve.add_argument("--kv-budget-bytes", type=_size, default=None, metavar="BYTES",
+                       help="KV cache budget that admission works within (suffixes K/M/G/KiB/MiB/GiB; default: "
+                            "half the machine's memory less the weights, printed at start); a request reserves "
+                            "the exact bytes of prompt + max_tokens")
+    serve.add_argument("--max-queue", type=int, default=1024,
+                       help="requests waiting for admission beyond this are refused with 429 and Retry-After")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     run = sub.add_parser("run", help="generate once and stream the text to the terminal",
@@ -81,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--depths", default="0,1024,4096",
                        help="comma-separated decode depths (clamped to the context)")
     bench.add_argument("--decode-tokens", type=int, default=64)
+    bench.add_argument("--concurrency", default=None, metavar="LEVELS",
+                       help="comma-separated concurrency levels (e.g. 1,4,16,64): measure aggregate decode "
+                            "tokens/s of that many simultaneous requests instead of the depth sweep")
+    bench.add_argument("--concurrency-prompt-tokens", type=int, default=128,
+                       help="prompt tokens of each request of a concurrency level")
     bench.add_argument("--repeats", type=int, default=2, help="best of N per measurement")
     bench.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     bench.add_argument("--markdown", type=Path, default=None, help="write the report as markdown here")
@@ -109,6 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     return {"serve": _serve, "run": _run, "bench": _bench, "kld": _kld}[args.command](args)
 
 
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _size(text: str) -> int:
+    """Bytes from '4000000', '512MiB', '2G' (decimal K/M/G, binary KiB/MiB/GiB)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match[2].lower().removesuffix("b") if match and match[2].lower() not in ("b",) else ""
+    unit = {"ki": "kib", "mi": "mib", "gi": "gib"}.get(unit, unit)
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512MiB, 2G)")
+    return int(float(match[1]) * _UNITS[unit])
+
+
 def _kv_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after the re-exec)
     from engine import KVConfig
 
@@ -128,8 +154,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
-                            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size),
-                            _kv_config(args)),
+                            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size,
+                                            args.kv_budget_bytes),
+                            _kv_config(args), max_queue=args.max_queue),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host))
     try:
@@ -172,16 +199,24 @@ def _bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from engine import BenchConfig, load_model, run_bench
+    from engine.bench import run_concurrency_bench
 
     depths = tuple(int(d) for d in args.depths.split(",") if d.strip())
+    levels = tuple(int(c) for c in args.concurrency.split(",") if c.strip()) if args.concurrency else ()
+    if any(level < 1 for level in levels):
+        raise SystemExit("kvarn bench: concurrency levels must be >= 1")
     config = BenchConfig(args.prefill_tokens, depths, args.decode_tokens, args.repeats)
     loaded = load_model(args.model, args.dtype)
-    with tqdm(total=1 + len(depths), desc="kvarn bench", file=sys.stderr) as bar:
+    with tqdm(total=len(levels) or 1 + len(depths), desc="kvarn bench", file=sys.stderr) as bar:
         def progress(message: str) -> None:
             bar.set_postfix_str(message)
             bar.update(1)
 
-        report = run_bench(loaded, config, openblas_active(), _kv_config(args), progress)
+        if levels:
+            report = run_concurrency_bench(loaded, levels, args.concurrency_prompt_tokens, args.decode_tokens,
+                                           openblas_active(), _kv_config(args), progress)
+        else:
+            report = run_bench(loaded, config, openblas_active(), _kv_config(args), progress)
     markdown = report.to_markdown()
     print(markdown)
     if args.json:

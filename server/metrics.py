@@ -21,7 +21,11 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("kvarn_request_latency_seconds", "Request latency from arrival to end",
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("kvarn_requests_rejected", "Requests refused before admission (400: can never fit "
+                                "the KV budget, 429: queue full)", ["status"], registry=r)
         for name, key, doc in (("kvarn_num_requests_running", "running", "Requests in the running batch"),
                                ("kvarn_num_requests_waiting", "waiting", "Requests waiting for admission"),
-                               ("kvarn_kv_cache_bytes", "kv_bytes", "Bytes held by live KV caches")):
+                               ("kvarn_kv_cache_bytes", "kv_bytes", "Bytes held by live KV caches"),
+                               ("kvarn_kv_reserved_bytes", "reserved_bytes", "Bytes reserved by admitted requests"),
+                               ("kvarn_kv_budget_bytes", "budget_bytes", "The KV budget admission works within")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))

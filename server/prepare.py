@@ -17,10 +17,12 @@ def check_model(body: _Sampling, info: ModelInfo) -> None:
                        param="model", code="model_not_found")
 
 
+MAX_CHOICES = 16
+
+
 def check_unsupported(body: _Sampling) -> None:
-    if body.n != 1:
-        raise APIError(400, "n > 1 is not supported yet: send one request per choice.", param="n",
-                       code="unsupported_value")
+    if body.n > MAX_CHOICES:
+        raise APIError(400, f"n must be at most {MAX_CHOICES}.", param="n", code="invalid_value")
     if isinstance(body, CompletionRequest):
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of > 1 is not supported.", param="best_of", code="unsupported_value")

@@ -25,6 +25,7 @@ class Job:
     system_fingerprint: str
     include_usage: bool = False
     echo_text: str = ""
+    n: int = 1
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
@@ -72,15 +73,15 @@ def _header(job: Job, object_name: str) -> dict[str, Any]:
 
 
 def chunk(job: Job, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,
-          role: bool = False) -> dict[str, Any]:
+          role: bool = False, index: int = 0) -> dict[str, Any]:
     """One streamed chunk with one choice (``text`` None sends an empty delta)."""
     if job.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**_header(job, "chat.completion.chunk"), "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {**_header(job, "text_completion"), "choices": [choice]}
 
 
@@ -91,7 +92,7 @@ def usage_chunk(job: Job, prompt_tokens: int, completion_tokens: int) -> dict[st
 
 @dataclass
 class Collected:
-    """A whole non-streamed generation."""
+    """A whole non-streamed generation of one choice."""
 
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -103,17 +104,24 @@ class Collected:
         self.last = output
 
 
-def full_response(job: Job, collected: Collected, decode: Callable[[int], str]) -> dict[str, Any]:
-    last = collected.last
-    assert last is not None and last.finished
-    finish = finish_name(last.finish_reason)
-    if job.kind == "chat":
-        lp = chat_logprobs(collected.logprobs, decode) if job.params.logprobs else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": collected.text, "refusal": None},
-                  "logprobs": lp, "finish_reason": finish}
-    else:
-        lp = (completion_logprobs(collected.logprobs, decode, len(job.echo_text))
-              if job.params.logprobs else None)
-        choice = {"index": 0, "text": job.echo_text + collected.text, "logprobs": lp, "finish_reason": finish}
-    return {**_header(job, job.object_name), "choices": [choice],
-            "usage": usage(last.num_prompt_tokens, last.num_output_tokens)}
+def full_response(job: Job, choices: Sequence[Collected], decode: Callable[[int], str]) -> dict[str, Any]:
+    """The body of a non-streamed response: one choice per ``Collected``, usage over all of them
+    (the prompt counted once, as OpenAI does for ``n > 1``)."""
+    bodies = []
+    for index, collected in enumerate(choices):
+        last = collected.last
+        assert last is not None and last.finished
+        finish = finish_name(last.finish_reason)
+        if job.kind == "chat":
+            lp = chat_logprobs(collected.logprobs, decode) if job.params.logprobs else None
+            bodies.append({"index": index, "message": {"role": "assistant", "content": collected.text,
+                                                       "refusal": None},
+                           "logprobs": lp, "finish_reason": finish})
+        else:
+            lp = (completion_logprobs(collected.logprobs, decode, len(job.echo_text))
+                  if job.params.logprobs else None)
+            bodies.append({"index": index, "text": job.echo_text + collected.text, "logprobs": lp,
+                           "finish_reason": finish})
+    prompt_tokens = choices[0].last.num_prompt_tokens if choices[0].last else len(job.prompt_ids)
+    completion_tokens = sum(c.last.num_output_tokens for c in choices if c.last is not None)
+    return {**_header(job, job.object_name), "choices": bodies, "usage": usage(prompt_tokens, completion_tokens)}

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 
-from engine import EngineClient, ModelInfo
+from engine import EngineClient, ModelInfo, RequestRejected
 from server.errors import APIError, error_response
 from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -66,7 +66,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=None, logprobs=body.logprobs,
                              top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
     return await _respond(Job("chat", info.model_id, prompt_ids, params, _fingerprint(info),
-                              include_usage=_include_usage(body)), body.stream, request)
+                              include_usage=_include_usage(body), n=body.n), body.stream, request)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -82,11 +82,17 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.echo and not echo:
         echo = "".join(client.decode_token(t) for t in prompt_ids)
     return await _respond(Job("completion", info.model_id, prompt_ids, params, _fingerprint(info),
-                              include_usage=_include_usage(body), echo_text=echo), body.stream, request)
+                              include_usage=_include_usage(body), echo_text=echo, n=body.n), body.stream, request)
 
 
 async def _respond(job: Job, stream: bool, request: Request) -> Any:
     client, state = request.app.state.client, request.app.state
+    try:  # before any byte of a stream goes out: refusals get their own status
+        client.check_admission(len(job.prompt_ids), job.params.max_tokens, job.n)
+    except RequestRejected as exc:
+        state.metrics.rejected.labels(str(exc.status)).inc()
+        raise APIError(exc.status, exc.message, code=exc.code,
+                       headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else None) from exc
     if stream:
         return EventSourceResponse(stream_events(job, client, state.metrics), ping=15)
     return await collect(job, client, state.metrics, request)

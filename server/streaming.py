@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from engine import EngineClient, FinishReason
+from engine import EngineClient, FinishReason, RequestRejected
 from server.errors import APIError, ClientDisconnected, error_body
 from server.metrics import Metrics
 from server.responses import Collected, Job, chat_logprobs, chunk, completion_logprobs, finish_name, \
@@ -34,35 +34,41 @@ def _observe(job: Job, metrics: Metrics, finish: FinishReason | None, num_tokens
 
 
 async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> AsyncIterator[dict[str, str]]:
-    """SSE events: chunks, an optional usage chunk, then ``[DONE]``."""
+    """SSE events: chunks (each of one choice, told apart by ``index``), an optional usage chunk
+    once every choice has finished, then ``[DONE]``."""
     metrics.prompt_tokens.inc(len(job.prompt_ids))
-    offset = len(job.echo_text)
+    offsets = [len(job.echo_text)] * job.n
+    tokens = [0] * job.n
     finish: FinishReason | None = None
-    num_tokens = 0
     try:
-        if job.kind == "chat":
-            yield _event(chunk(job, None, None, None, role=True))
-        elif job.echo_text:
-            yield _event(chunk(job, job.echo_text, None, None))
-        async for output in client.generate(job.prompt_ids, job.params, job.request_id):
-            if num_tokens == 0 and output.token_ids:
+        for index in range(job.n):
+            if job.kind == "chat":
+                yield _event(chunk(job, None, None, None, role=True, index=index))
+            elif job.echo_text:
+                yield _event(chunk(job, job.echo_text, None, None, index=index))
+        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n):
+            i = output.index
+            if sum(tokens) == 0 and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
-            num_tokens, finish = output.num_output_tokens, output.finish_reason
+            tokens[i], finish = output.num_output_tokens, output.finish_reason or finish
             if output.error is not None:
                 yield _event(error_body(500, output.error, code="generation_failed"))
                 break
             logprobs = None
             if job.params.logprobs and output.logprobs:
                 logprobs = (chat_logprobs(output.logprobs, client.decode_token) if job.kind == "chat"
-                            else completion_logprobs(output.logprobs, client.decode_token, offset))
-            offset += len(output.text)
+                            else completion_logprobs(output.logprobs, client.decode_token, offsets[i]))
+            offsets[i] += len(output.text)
             if output.text or logprobs or output.finished:
-                yield _event(chunk(job, output.text, finish_name(output.finish_reason), logprobs))
-            if output.finished and job.include_usage:
-                yield _event(usage_chunk(job, output.num_prompt_tokens, output.num_output_tokens))
+                yield _event(chunk(job, output.text, finish_name(output.finish_reason), logprobs, index=i))
+        else:
+            if job.include_usage:
+                yield _event(usage_chunk(job, len(job.prompt_ids), sum(tokens)))
         yield {"data": "[DONE]"}
+    except RequestRejected as exc:  # raced the front-door check (e.g. the queue filled meanwhile)
+        yield _event(error_body(exc.status, exc.message, code=exc.code))
     finally:
-        _observe(job, metrics, finish, num_tokens)
+        _observe(job, metrics, finish, sum(tokens))
 
 
 def _event(payload: dict[str, Any]) -> dict[str, str]:
@@ -72,23 +78,29 @@ def _event(payload: dict[str, Any]) -> dict[str, str]:
 async def collect(job: Job, client: EngineClient, metrics: Metrics, request: Request) -> dict[str, Any]:
     """The whole response, or nothing if the client left first (the request is then aborted)."""
     metrics.prompt_tokens.inc(len(job.prompt_ids))
-    collected = Collected()
+    choices = [Collected() for _ in range(job.n)]
 
     async def run() -> None:
-        async for output in client.generate(job.prompt_ids, job.params, job.request_id):
-            if not collected.logprobs and not collected.text and output.token_ids:
+        first = True
+        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n):
+            if first and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
-            collected.add(output)
+                first = False
+            choices[output.index].add(output)
 
     try:
         await until_disconnect(request, run())
+    except RequestRejected as exc:
+        raise APIError(exc.status, exc.message, code=exc.code,
+                       headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else None) from exc
     finally:
-        last = collected.last
-        _observe(job, metrics, last.finish_reason if last else None, last.num_output_tokens if last else 0)
-    assert collected.last is not None
-    if collected.last.error is not None:
-        raise APIError(500, collected.last.error, code="generation_failed")
-    return full_response(job, collected, client.decode_token)
+        lasts = [c.last for c in choices if c.last is not None]
+        finish = lasts[0].finish_reason if len(lasts) == job.n else None
+        _observe(job, metrics, finish, sum(last.num_output_tokens for last in lasts))
+    errors = [c.last.error for c in choices if c.last is not None and c.last.error is not None]
+    if errors:
+        raise APIError(500, errors[0], code="generation_failed")
+    return full_response(job, choices, client.decode_token)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -48,7 +48,7 @@ def test_abort_frees_the_row(loaded):
     engine.step()
     engine.step()
     assert "a" in engine.runner.rows and engine.runner.kv_nbytes() > 0
-    final = engine.abort_request(RequestId("a"))
+    [final] = engine.abort_request(RequestId("a"))
     assert final.finish_reason is FinishReason.ABORT and final.num_output_tokens == 2
     engine.step()
     assert engine.runner.rows == {} and not engine.has_work() and engine.requests == {}

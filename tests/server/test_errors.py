@@ -155,8 +155,8 @@ CASES = [
     Bad("chat-long-message", CHAT, 400, "messages", "context_length_exceeded", "",
         body=chat(messages=[{"role": "user", "content": "ls -la " * 2500}])),
     # unsupported
-    Bad("n-2", CHAT, 400, "n", "unsupported_value", "n > 1", body=chat(n=2)),
-    Bad("n-2-completions", COMPLETIONS, 400, "n", "unsupported_value", "n > 1", body=completion(n=2)),
+    Bad("n-17", CHAT, 400, "n", "invalid_value", "at most 16", body=chat(n=17)),
+    Bad("n-17-completions", COMPLETIONS, 400, "n", "invalid_value", "at most 16", body=completion(n=17)),
     Bad("n-0", CHAT, 400, "n", "invalid_value", "", body=chat(n=0)),
     Bad("best-of-2", COMPLETIONS, 400, "best_of", "unsupported_value", "", body=completion(best_of=2)),
     Bad("suffix", COMPLETIONS, 400, "suffix", "unsupported_value", "", body=completion(suffix="x")),

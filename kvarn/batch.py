@@ -1,0 +1,129 @@
+"""Batches of rows for the decode step: ``BatchKVarNKVCache`` and the fp16 / affine baselines.
+
+A batch cache holds, per layer, the caches of the rows decoding together. Every row keeps its
+own single-stream cache (``KVarNKVCache``: its sink, records and tail aligned to its own token
+positions, so tiles never straddle rows), and the batch only points at them:
+
+    batch (one layer)   row 0: [sink | r0 r1 r2 | tail ]     offset 410
+                        row 1: [sink | tail]                  offset 150
+                        row 2: [sink | r0 .. r30 | tail]      offset 4,001
+
+- ``extend`` / ``filter``: rows join and leave between steps; no row's records are copied
+  (a prefilled single-stream cache becomes a row as is, without re-quantizing);
+- ``offset``: per-row RoPE offsets (an int32 array, one per row), which mlx-lm models pass
+  to ``mx.fast.rope`` as is;
+- ``update_and_fetch``: each row takes its own key/value and commits a tile at its own step;
+- attention (``kvarn.attention``'s seam) runs each row over exactly its own valid tokens: the
+  ragged rows need no padding and no validity mask, and a row's scores never see another
+  row's tokens. The weight matmuls around it (projections, MLP, LM head) run batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache
+
+from kvarn.baselines import AffineKVCache, FP16KVCache
+from kvarn.cache import KVarNKVCache
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """One attention mask per row (a model asks the batch cache once, the seam splits it)."""
+
+    masks: tuple[Any, ...]
+
+
+class BatchRows(_BaseCache):
+    """Rows of one layer decoding together. ``row_type`` restricts what may join."""
+
+    row_type: type | tuple[type, ...] = object
+
+    def __init__(self, rows: Iterable[Any] = ()) -> None:
+        self.rows: list[Any] = []
+        self.fetched: list[tuple[Any, Any]] = []
+        self.extend(rows)
+
+    def extend(self, rows: Iterable[Any]) -> None:
+        """Rows join at the end of the batch, as they are."""
+        for row in rows:
+            if not isinstance(row, self.row_type):
+                raise TypeError(f"{type(self).__name__} takes {self.row_type} rows, not {type(row).__name__}")
+            self.rows.append(row)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` (indices into the current rows, in the new order)."""
+        self.rows = [self.rows[i] for i in keep]
+        self.fetched = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([row.offset for row in self.rows], dtype=mx.int32)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if keys.shape[0] != len(self.rows):
+            raise ValueError(f"{keys.shape[0]} rows of keys for a batch of {len(self.rows)}")
+        self.fetched = [row.update_and_fetch(keys[b: b + 1], values[b: b + 1]) for b, row in enumerate(self.rows)]
+        return self, self
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        masks = tuple(row.make_mask(N, return_array=return_array, window_size=window_size) for row in self.rows)
+        return None if all(m is None for m in masks) else RowMasks(masks)
+
+    def size(self) -> int:
+        return max((row.size() for row in self.rows), default=0)
+
+    def empty(self) -> bool:
+        return all(row.empty() for row in self.rows)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(row.nbytes for row in self.rows)
+
+    @property
+    def state(self) -> list[Any]:
+        raise NotImplementedError("a batch has no state of its own: save its rows")
+
+
+class BatchKVarNKVCache(BatchRows):
+    row_type = KVarNKVCache
+
+
+class BatchFP16KVCache(BatchRows):
+    row_type = FP16KVCache
+
+
+class BatchAffineKVCache(BatchRows):
+    row_type = AffineKVCache
+
+
+_BY_ROW = {KVarNKVCache: BatchKVarNKVCache, FP16KVCache: BatchFP16KVCache, AffineKVCache: BatchAffineKVCache}
+
+
+def make_batch_cache(layer_rows: Sequence[Any]) -> BatchRows:
+    """The batch cache for one layer's rows (layers outside the layout, e.g. sliding windows,
+    batch their own cache type through the generic ``BatchRows``)."""
+    cls = _BY_ROW.get(type(layer_rows[0]), BatchRows) if layer_rows else BatchRows
+    return cls(layer_rows)
+
+
+def batch_attention(attend: Any, queries: mx.array, cache: BatchRows, scale: float, mask: Any,
+                    sinks: mx.array | None) -> mx.array:
+    """Attention of each row over its own cache: ``attend`` is the seam's dispatch (KVarN,
+    affine or fp16 per row type); outputs are stacked back into [B, n_q, L, D]."""
+    if len(cache.fetched) != len(cache.rows):
+        raise RuntimeError("batch attention before update_and_fetch")
+    masks = mask.masks if isinstance(mask, RowMasks) else (mask,) * len(cache.rows)
+    outs = [attend(queries[b: b + 1], keys, values, row, scale, masks[b], sinks)
+            for b, (row, (keys, values)) in enumerate(zip(cache.rows, cache.fetched))]
+    return mx.concatenate(outs, axis=0)
