@@ -71,7 +71,7 @@ def body_cases(ctx: Context) -> list[BadCase]:
         BadCase("max_tokens 0", 400, {**c, "max_tokens": 0}),
         BadCase("max_tokens a string", 400, {**c, "max_tokens": "many"}),
         BadCase("max_tokens over the context", 400, {**c, "max_tokens": ctx.context_length + 1}),
-        BadCase("n 2", 400, {**c, "n": 2}),
+        BadCase("n 17 (above 16)", 400, {**c, "n": 17}),
         BadCase("stream_options without stream", 400, {**c, "stream_options": {"include_usage": True}}),
         BadCase("streamed with temperature 5", 400, {**c, "stream": True, "temperature": 5}),
         BadCase("empty stop string", 400, {**c, "stop": [""]}),

@@ -92,12 +92,22 @@ def count_quantized_layers(model: nn.Module, layout: KVLayout) -> tuple[int, int
 
 def fork_cache(cache: list[Any]) -> list[Any]:
     """A second row with the same history (``n > 1``): no re-prefill, no re-quantization."""
-    forked = []
-    for layer in cache:
-        if not hasattr(layer, "fork"):
-            raise TypeError(f"{type(layer).__name__} cannot be forked")
-        forked.append(layer.fork())
-    return forked
+    return [layer.fork() if hasattr(layer, "fork") else _fork_other(layer) for layer in cache]
+
+
+def _fork_other(layer: Any) -> Any:
+    """Any other mlx-lm cache (sliding window, recurrent state): a shallow copy whose arrays are
+    new handles on the same buffers, so an in-place write of either copies instead of sharing."""
+    def handle(value: Any) -> Any:
+        if isinstance(value, mx.array):
+            return value[...]
+        if isinstance(value, (list, tuple)):
+            return type(value)(handle(v) for v in value)
+        return value
+
+    other = type(layer).__new__(type(layer))
+    other.__dict__.update({name: handle(value) for name, value in layer.__dict__.items()})
+    return other
 
 
 def cache_nbytes(cache: list[Any]) -> int:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import PrefillChunk, SampledToken, StepResult
@@ -93,3 +94,133 @@ def test_abort_of_waiting_request_frees_nothing():
 def test_invalid_config_is_refused(kwargs):
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)
+
+
+# --- admission by capacity ---
+
+def priced(s_budget: int, per_token: int = 10, transient: int = 5, **config) -> Scheduler:
+    """A scheduler whose reservation is ``per_token`` bytes per reserved token (times n) plus a
+    fixed prefill transient: simple numbers, exact assertions."""
+    def price(request: Request, n: int) -> Reservation:
+        return Reservation(kv=n * per_token * (request.num_prompt_tokens + request.params.max_tokens),
+                           transient=transient)
+
+    cfg = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64, kv_budget_bytes=s_budget)
+    cfg.update(config)
+    return Scheduler(SchedulerConfig(**cfg), price)
+
+
+def test_admission_stops_at_the_budget_and_keeps_fifo_order():
+    # each request: (4 + 8) tokens * 10 B = 120 B kv + 5 B transient = 125 B; budget fits two
+    s = priced(250)
+    reqs = [req(name, 4) for name in "abc"]
+    for r in reqs:
+        s.add(r)
+    plan = s.plan()
+    assert [c.request_id for c in plan.prefills] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"] and s.reserved_bytes == 250
+    s.update(plan, sample_all(plan))
+    # prefills are done: the transients (5 B each) are released, still no room for c (125 > 10)
+    assert s.reserved_bytes == 240 and s.reservations["a"] == Reservation(120)
+    plan = s.plan()
+    assert plan.decodes == ("a", "b") and plan.prefills == () and len(s.waiting) == 1
+    s.finish(reqs[0], FinishReason.STOP)
+    assert s.reserved_bytes == 120
+    plan = s.plan()
+    assert plan.freed == ("a",) and plan.prefills == (PrefillChunk("c", 0, 4, True),)
+    assert s.reserved_bytes == 245
+
+
+def test_a_head_that_does_not_fit_blocks_smaller_requests_behind_it():
+    s = priced(300)
+    big, small = req("big", 25, max_tokens=2), req("small", 2, max_tokens=2)  # 275 B and 45 B
+    first = req("first", 4)  # 125 B, then 120 B once its prompt is in
+    s.add(first)
+    plan = s.plan()
+    s.update(plan, sample_all(plan))
+    s.add(big)
+    s.add(small)
+    plan = s.plan()
+    assert plan.decodes == ("first",) and plan.prefills == ()
+    assert [r.request_id for r in s.waiting] == ["big", "small"] and s.reserved_bytes == 120
+    assert s.fits_alone(big) and not s.fits_alone(req("huge", 27, max_tokens=3))  # 305 B
+
+
+def test_no_budget_means_no_byte_limit():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=8))
+    for name in "ab":
+        s.add(req(name, 4, max_tokens=10**6))
+    assert len(s.plan().prefills) == 2 and s.reserved_bytes == 0
+
+
+def test_abort_releases_the_reservation_at_once():
+    s = priced(1000)
+    a = req("a", 100, max_tokens=1)  # (100 + 1) * 10 + 5 = 1015 B: more than the whole budget
+    assert not s.fits_alone(a)
+    b = req("b", 40)  # (40 + 8) * 10 + 5 = 485
+    s.add(b)
+    plan = s.plan()
+    assert plan.prefills == (PrefillChunk("b", 0, 40, True),) and s.reserved_bytes == 485
+    s.finish(b, FinishReason.ABORT)
+    assert s.reserved_bytes == 0 and s.reservations == {}
+    assert s.plan().freed == ("b",)
+
+
+# --- n > 1: forks ---
+
+def fork(name: str, parent: Request, index: int) -> Request:
+    r = req(name, parent.num_prompt_tokens, parent.params.max_tokens)
+    r.fork_of, r.index = parent.request_id, index
+    return r
+
+
+def test_forks_are_priced_with_their_parent_and_become_rows_at_prompt_end():
+    s = priced(10_000, max_num_batched_tokens=20, prefill_chunk_size=16)
+    p = req("p", 30)
+    f1, f2 = fork("p-1", p, 1), fork("p-2", p, 2)
+    s.add(p)
+    s.add(f1)
+    s.add(f2)
+    assert list(s.waiting) == [p] and s.forks == {"p": [f1, f2]}
+    plan = s.plan()
+    # three choices reserved together: 3 * (30 + 8) * 10 + 5
+    assert plan.prefills == (PrefillChunk("p", 0, 16, False),) and s.reserved_bytes == 1145
+    s.update(plan, sample_all(plan))
+    plan = s.plan()
+    assert plan.prefills == (PrefillChunk("p", 16, 30, True, forks=("p-1", "p-2")),)
+    s.update(plan, StepResult(sampled={i: SampledToken(i, 7) for i in ("p", "p-1", "p-2")}))
+    assert [r.request_id for r in s.running] == ["p", "p-1", "p-2"]
+    assert all(r.num_computed_tokens == 30 and r.output_ids == [7] for r in (p, f1, f2))
+    assert s.reservations == {i: Reservation(380) for i in ("p", "p-1", "p-2")} and s.forks == {}
+    assert s.plan().decodes == ("p", "p-1", "p-2")
+
+
+def test_a_fork_that_leaves_before_prompt_end_shrinks_its_parent():
+    s = priced(10_000, max_num_batched_tokens=20, prefill_chunk_size=16)
+    p = req("p", 30)
+    f1, f2 = fork("p-1", p, 1), fork("p-2", p, 2)
+    for r in (p, f1, f2):
+        s.add(r)
+    plan = s.plan()
+    s.update(plan, sample_all(plan))
+    s.finish(f1, FinishReason.ABORT)
+    assert s.reserved_bytes == 2 * 380 + 5 and f1.is_finished
+    plan = s.plan()
+    assert plan.prefills[0].forks == ("p-2",) and plan.freed == ()
+
+
+def test_parent_aborted_before_prompt_end_takes_its_forks():
+    s = priced(10_000)
+    p = req("p", 30)
+    f1 = fork("p-1", p, 1)
+    s.add(p)
+    s.add(f1)
+    orphans = s.finish(p, FinishReason.ABORT)
+    assert orphans == [f1] and f1.finish_reason is FinishReason.ABORT
+    assert not s.has_work() and s.forks == {} and s.reserved_bytes == 0
+
+
+def test_a_fork_needs_its_parent_waiting():
+    s = priced(10_000)
+    with pytest.raises(ValueError):
+        s.add(fork("x-1", req("x", 4), 1))
