@@ -143,7 +143,8 @@ def run_concurrency_bench(loaded: LoadedModel, levels: tuple[int, ...], prompt_t
                           progress: Callable[[str], None] = lambda _: None) -> BenchReport:
     """Aggregate tokens/s of ``level`` simultaneous requests through the real engine (continuous
     batching, chunked prefill, admission), for each level."""
-    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=max(levels), max_num_batched_tokens=max(1024, max(levels))),
+    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=max(levels),
+                                                 max_num_batched_tokens=max(1024, max(levels) + 512)),
                          kv)
     rng = random.Random(0)
     report = BenchReport(loaded.model_id, loaded.compute_dtype, engine.describe_kv(),

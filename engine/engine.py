@@ -199,5 +199,6 @@ class Engine:
                              len(request.output_ids), reason, error, index=request.index)
 
     def _forget(self, request: Request) -> None:
+        self.runner.free((request.request_id,))
         self.requests.pop(request.request_id, None)
         self._outputs.pop(request.request_id, None)

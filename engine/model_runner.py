@@ -90,10 +90,15 @@ class ModelRunner:
     def kv_nbytes(self) -> int:
         return sum(cache_nbytes(row.cache) for row in self.rows.values())
 
-    def run(self, plan: StepPlan, requests: Mapping[RequestId, Request]) -> StepResult:
-        for request_id in plan.freed:
+    def free(self, request_ids: tuple[RequestId, ...]) -> None:
+        """Release rows now (their bytes go with them): the engine frees a row as soon as its
+        request ends, so what rows hold never exceeds what admission has reserved."""
+        for request_id in request_ids:
             self.rows.pop(request_id, None)
-        self.batch.drop(plan.freed)
+        self.batch.drop(request_ids)
+
+    def run(self, plan: StepPlan, requests: Mapping[RequestId, Request]) -> StepResult:
+        self.free(plan.freed)
         pending: dict[RequestId, SampleArrays] = {}
         try:
             for chunk in plan.prefills:

@@ -5,6 +5,13 @@ the rest of the token budget goes to prompt chunks, first of rows already admitt
 newly admitted waiting requests (FIFO). A long prompt therefore never stalls running streams
 for more than one chunk.
 
+Chunk boundaries are fixed: chunk i of a prompt is always tokens [i*C, (i+1)*C) whatever else
+runs in the step; a chunk that does not fit in the step's remaining budget waits for the next
+step instead of being cut. With a quantized cache the prefill's numbers depend on where chunks
+end (a fresh prompt's first chunk attends in full precision, later ones over the records), so
+fixed boundaries make a request compute the same alone and in any batch. The config guarantees
+the first chunk of a step always fits (budget >= max_num_seqs + chunk).
+
 Admission is by capacity: a waiting request is admitted only if its reservation (``Pricing``:
 the exact KV bytes of prompt + max_tokens, plus one prefill chunk's transient memory until its
 prompt is done) fits in the KV budget beside what running requests hold. The queue is FIFO: a
@@ -42,8 +49,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.prefill_chunk_size < 1:
             raise ValueError("max_num_seqs and prefill_chunk_size must be >= 1")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one token per decode row)")
+        if self.max_num_batched_tokens < self.max_num_seqs + self.prefill_chunk_size:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs + prefill_chunk_size (every decode "
+                             "row and one whole prompt chunk fit in a step)")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes < 0:
             raise ValueError("kv_budget_bytes must be >= 0")
 
@@ -130,35 +138,36 @@ class Scheduler:
         decodes = tuple(r.request_id for r in self.running if r.is_prefill_done)
         budget -= len(decodes)
         prefills: list[PrefillChunk] = []
+        blocked = False  # a chunk that did not fit: nothing behind it prefills this step (FIFO)
         for request in self.running:
-            if budget <= 0:
-                break
             if not request.is_prefill_done:
-                chunk = self._chunk(request, budget)
+                chunk = self._chunk(request)
+                if chunk.num_tokens > budget:
+                    blocked = True
+                    break
                 prefills.append(chunk)
                 budget -= chunk.num_tokens
-        while self.waiting and budget > 0:
+        while self.waiting and not blocked:
             request = self.waiting[0]
             n = 1 + len(self.forks.get(request.request_id, ()))
             if len(self.running) + n > self.config.max_num_seqs and self.running:
                 break
             reservation = self.reservation(request, n)
-            if not self._fits(reservation):
+            chunk = self._chunk(request)
+            if chunk.num_tokens > budget or not self._fits(reservation):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.reservations[request.request_id] = reservation
-            chunk = self._chunk(request, budget)
             prefills.append(chunk)
             budget -= chunk.num_tokens
         freed, self._freed = tuple(self._freed), []
         return StepPlan(prefills=tuple(prefills), decodes=decodes, freed=freed)
 
-    def _chunk(self, request: Request, budget: int) -> PrefillChunk:
+    def _chunk(self, request: Request) -> PrefillChunk:
         start = request.num_computed_tokens
-        size = min(request.num_prompt_tokens - start, budget, self.config.prefill_chunk_size)
-        end = start + size
+        end = min(start + self.config.prefill_chunk_size, request.num_prompt_tokens)
         is_last = end == request.num_prompt_tokens
         forks = tuple(f.request_id for f in self.forks.get(request.request_id, ())) if is_last else ()
         return PrefillChunk(request.request_id, start, end, is_last=is_last, forks=forks)

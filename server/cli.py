@@ -152,11 +152,16 @@ def _serve(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.config import ServerConfig
 
+    try:
+        scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size,
+                                    args.kv_budget_bytes)
+    except ValueError as exc:
+        raise SystemExit(f"kvarn serve: {exc}") from exc
+    if args.max_queue < 0:
+        raise SystemExit("kvarn serve: --max-queue must be >= 0")
     config = ServerConfig(
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
-                            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size,
-                                            args.kv_budget_bytes),
-                            _kv_config(args), max_queue=args.max_queue),
+                            scheduler, _kv_config(args), max_queue=args.max_queue),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host))
     try:

@@ -42,18 +42,47 @@ def test_long_prompt_is_chunked_and_decode_rows_go_first():
 
 
 def test_token_budget_limits_prefill_and_admission():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, prefill_chunk_size=64))
-    for name in "abc":
-        s.add(req(name, 12))
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=20, prefill_chunk_size=16))
+    reqs = [req(name, 12) for name in "abc"]
+    for r in reqs:
+        s.add(r)
     plan = s.plan()
-    assert plan.prefills == (PrefillChunk("a", 0, 12, True), PrefillChunk("b", 0, 8, False))
-    assert [r.request_id for r in s.running] == ["a", "b"]
-    assert [r.request_id for r in s.waiting] == ["c"]
-    assert plan.num_tokens == 20
+    # a's whole prompt (12) fits; b's first chunk (12) does not fit in the 8 left: b waits whole
+    assert plan.prefills == (PrefillChunk("a", 0, 12, True),) and plan.num_tokens == 12
+    assert [r.request_id for r in s.running] == ["a"] and [r.request_id for r in s.waiting] == ["b", "c"]
+    s.update(plan, sample_all(plan))
+    plan = s.plan()
+    assert plan.decodes == ("a",) and plan.prefills == (PrefillChunk("b", 0, 12, True),)
+    assert [r.request_id for r in s.waiting] == ["c"]  # max_num_seqs
+
+
+def test_chunk_boundaries_are_fixed_whatever_else_runs():
+    """Chunk i is always [i*C, (i+1)*C): a chunk that does not fit waits, it is never cut."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=20, prefill_chunk_size=16))
+    decoders = [req(name, 4) for name in "abc"]
+    for r in decoders:
+        s.add(r)
+    plan = s.plan()
+    s.update(plan, sample_all(plan))
+    long, short = req("long", 40), req("short", 3)
+    s.add(long)
+    s.add(short)
+    bounds = []
+    while not long.is_prefill_done:
+        plan = s.plan()
+        assert plan.decodes == ("a", "b", "c") and plan.num_tokens <= 20
+        bounds += [(c.start_idx, c.end_idx) for c in plan.prefills if c.request_id == "long"]
+        # 20 - 3 decodes = 17: one 16-token chunk fits, nothing after it (short waits behind long)
+        assert [c.request_id for c in plan.prefills] == ["long"] and list(s.waiting) == [short]
+        s.update(plan, sample_all(plan))
+    assert bounds == [(0, 16), (16, 32), (32, 40)]
+    # the config guarantees that one whole chunk always fits beside every decode row
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=19, prefill_chunk_size=16)
 
 
 def test_max_num_seqs_keeps_requests_waiting():
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=64))
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=80, prefill_chunk_size=64))
     for name in "abc":
         s.add(req(name, 4))
     plan = s.plan()
@@ -63,7 +92,7 @@ def test_max_num_seqs_keeps_requests_waiting():
 
 
 def test_finish_frees_row_once_and_admits_next():
-    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, prefill_chunk_size=64))
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=80, prefill_chunk_size=64))
     a, b = req("a", 4), req("b", 4)
     s.add(a)
     s.add(b)
@@ -79,7 +108,7 @@ def test_finish_frees_row_once_and_admits_next():
 
 
 def test_abort_of_waiting_request_frees_nothing():
-    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, prefill_chunk_size=64))
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=80, prefill_chunk_size=64))
     a, b = req("a", 4), req("b", 4)
     s.add(a)
     s.add(b)
@@ -105,7 +134,7 @@ def priced(s_budget: int, per_token: int = 10, transient: int = 5, **config) -> 
         return Reservation(kv=n * per_token * (request.num_prompt_tokens + request.params.max_tokens),
                            transient=transient)
 
-    cfg = dict(max_num_seqs=8, max_num_batched_tokens=64, prefill_chunk_size=64, kv_budget_bytes=s_budget)
+    cfg = dict(max_num_seqs=8, max_num_batched_tokens=72, prefill_chunk_size=64, kv_budget_bytes=s_budget)
     cfg.update(config)
     return Scheduler(SchedulerConfig(**cfg), price)
 
@@ -175,7 +204,7 @@ def fork(name: str, parent: Request, index: int) -> Request:
 
 
 def test_forks_are_priced_with_their_parent_and_become_rows_at_prompt_end():
-    s = priced(10_000, max_num_batched_tokens=20, prefill_chunk_size=16)
+    s = priced(10_000, max_num_seqs=4, max_num_batched_tokens=20, prefill_chunk_size=16)
     p = req("p", 30)
     f1, f2 = fork("p-1", p, 1), fork("p-2", p, 2)
     s.add(p)
@@ -196,7 +225,7 @@ def test_forks_are_priced_with_their_parent_and_become_rows_at_prompt_end():
 
 
 def test_a_fork_that_leaves_before_prompt_end_shrinks_its_parent():
-    s = priced(10_000, max_num_batched_tokens=20, prefill_chunk_size=16)
+    s = priced(10_000, max_num_seqs=4, max_num_batched_tokens=20, prefill_chunk_size=16)
     p = req("p", 30)
     f1, f2 = fork("p-1", p, 1), fork("p-2", p, 2)
     for r in (p, f1, f2):
