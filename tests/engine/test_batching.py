@@ -25,8 +25,9 @@ ARRIVALS = [(12, 40, 0), (300, 30, 0), (129, 48, 1), (5, 60, 2), (700, 20, 3), (
 NEAR_TIE = 1e-3  # a top-2 logit gap under this may legitimately resolve differently
 # float tolerance of a row's logits in a batch vs alone (see tests/kvarn/test_batch.py: one GEMM
 # over the rows changes float32 summation order; quantized layouts amplify it where a value
-# crosses a rounding boundary). Measured max: fp16 3e-5, kvarn k4v2 0.021.
-TOLERANCE = {"fp16": 1e-4, "kvarn-k4v2": 0.08}
+# crosses a rounding boundary). Measured max here: fp16 1.8e-5, kvarn k4v2 1.4e-3 (0.011 in
+# tests/kvarn/test_batch.py, whose bound this shares).
+TOLERANCE = {"fp16": 1e-4, "kvarn-k4v2": 0.05}
 
 
 class LogitRecorder:
