@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache
 
 from engine.engine import make_engine, make_layout
 from engine.kv_config import KVConfig
@@ -34,7 +34,7 @@ from engine.loader import LoadedModel, load_model
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
 from kvarn.attention import SEAM_NAME, install_attention_seam
-from kvarn.baselines import count_quantized_layers, make_cache
+from kvarn.baselines import FP16KVCache, count_quantized_layers, make_cache
 from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
 
@@ -118,7 +118,7 @@ def test_tiny_full_attention_model(arch):
     layout = KVLayout.kvarn("k8v8", tile_size=G)
     ref_cache, kv_cache, ref_logits, kv_logits, diff = compare_arms(
         model, arch, prompt, layout, KVLayout.fp16("float32"))
-    assert [type(c) for c in ref_cache] == [KVCache] * 2
+    assert [type(c) for c in ref_cache] == [FP16KVCache] * 2
     assert [type(c) for c in kv_cache] == [KVarNKVCache] * 2
     n = len(prompt) + DECODE_STEPS
     for c in kv_cache:
@@ -150,7 +150,7 @@ def test_tiny_gemma3_sliding_layers_keep_their_own_cache():
         model, "gemma3_text", prompt, layout, KVLayout.fp16("float32"))
     # layers 0 and 2 slide (window 32): mlx-lm's RotatingKVCache, unquantized, in both arms;
     # layers 1 and 3 are global: KVarN
-    assert [type(c) for c in ref_cache] == [RotatingKVCache, KVCache, RotatingKVCache, KVCache]
+    assert [type(c) for c in ref_cache] == [RotatingKVCache, FP16KVCache, RotatingKVCache, FP16KVCache]
     assert [type(c) for c in kv_cache] == [RotatingKVCache, KVarNKVCache, RotatingKVCache, KVarNKVCache]
     n = len(prompt) + DECODE_STEPS
     for i in (0, 2):
@@ -227,14 +227,14 @@ def test_bundled_model_k8v8_engine_matches_unquantized_cache(loaded):
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=True)
     request = Request(RequestId("long"), prompt, params)
     engine.add_request(request)
-    logprobs, seen = [], []
+    logprobs, seen, cache = [], [], None
     while engine.has_work():
         for out in engine.step():
             logprobs.extend(out.logprobs)
             last = out
         row = engine.runner.rows.get(RequestId("long"))
-        if row is not None:
-            seen.append([(c.offset, c.records.num_tiles, c.tail_len) for c in row.cache])
+        cache = row.cache if row is not None else cache  # the row is released as its request ends
+        seen.append([(c.offset, c.records.num_tiles, c.tail_len) for c in cache])
     assert last.finish_reason is FinishReason.LENGTH and len(request.output_ids) == steps
     assert all(type(c) is KVarNKVCache for c in make_cache(loaded.model, engine.layout))
     # after the last step: prompt + every sampled token but the last went through the cache
