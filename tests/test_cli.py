@@ -15,9 +15,11 @@ def kvarn(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("command,flags", [
-    ("serve", ["--host", "--port", "--api-key", "--dtype", "--no-openblas", "--served-model-name", "--allowed-host"]),
+    ("serve", ["--host", "--port", "--api-key", "--dtype", "--no-openblas", "--served-model-name", "--allowed-host",
+               "--kv-budget-bytes", "--max-queue", "--max-num-seqs"]),
     ("run", ["--prompt", "--max-tokens", "--temperature", "--raw", "--system", "--seed"]),
-    ("bench", ["--prefill-tokens", "--depths", "--decode-tokens", "--json", "--markdown", "--repeats"]),
+    ("bench", ["--prefill-tokens", "--depths", "--decode-tokens", "--json", "--markdown", "--repeats",
+               "--concurrency", "--concurrency-prompt-tokens"]),
 ])
 def test_help_lists_every_flag(command, flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -54,6 +56,37 @@ def test_bench_writes_json_and_markdown(tmp_path):
     kv = report["kv_cache"]
     assert (kv["scheme"], kv["key_bits"], kv["value_bits"], kv["tile"]) == ("kvarn", 4, 2, 128)  # the default
     assert "decode at depth 128" in out_md.read_text()
+
+
+def test_bench_concurrency_reports_every_level(tmp_path):
+    out_json = tmp_path / "c.json"
+    result = kvarn("bench", "--concurrency", "1,3", "--concurrency-prompt-tokens", "16", "--decode-tokens", "6",
+                   "--json", str(out_json))
+    assert result.returncode == 0, result.stderr
+    levels = json.loads(out_json.read_text())["concurrency"]
+    assert [c["concurrency"] for c in levels] == [1, 3]
+    assert [c["tokens"] for c in levels] == [6, 18]  # every request generated all its tokens
+    assert all(c["tokens_per_s"] > 0 and c["peak_kv_bytes"] > 0 for c in levels)
+    assert "| 3 |" in result.stdout
+
+
+@pytest.mark.parametrize("text,expected", [("536870912", 536870912), ("512MiB", 512 * 2**20), ("2G", 2 * 10**9),
+                                           ("1.5GiB", int(1.5 * 2**30)), ("64k", 64000), ("10MB", 10**7)])
+def test_kv_budget_sizes(text, expected):
+    assert build_parser().parse_args(["serve", "--kv-budget-bytes", text]).kv_budget_bytes == expected
+
+
+@pytest.mark.parametrize("args", [["--kv-budget-bytes", "lots"], ["--kv-budget-bytes", "5XB"]])
+def test_bad_kv_budget_is_refused(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", *args])
+    assert exit_info.value.code == 2 and "not a size in bytes" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_step_budget_without_room_for_a_chunk():
+    result = kvarn("serve", "--max-num-seqs", "64", "--max-num-batched-tokens", "100", "--no-openblas", timeout=60)
+    assert result.returncode != 0 and "max_num_batched_tokens must be >= max_num_seqs + prefill_chunk_size" \
+        in result.stderr
 
 
 def test_cli_module_does_not_import_mlx_before_the_openblas_reexec():
