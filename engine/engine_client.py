@@ -62,6 +62,23 @@ class RequestRejected(Exception):
         self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
 
 
+class Admission:
+    """A request's place at the front door: held from ``check_admission`` until the engine takes
+    the request (``release``, idempotent), or until the holder drops it (a client that left
+    before its stream started)."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self._client: EngineClient | None = client
+
+    def release(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client._release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
 class EngineClient:
     """Thread-safe facade over ``Engine``. ``start()`` returns at once; ``ready`` is set when the
     model is loaded (or ``load_error`` when it could not be)."""
@@ -75,7 +92,8 @@ class EngineClient:
         self._inbox: queue.Queue[Callable[[Any], None]] = queue.Queue()
         self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._stats = {"running": 0, "waiting": 0, "kv_bytes": 0, "reserved_bytes": 0}
-        self._submitted = 0  # adds sent to the engine thread and not yet taken from the inbox
+        self._submitted = 0  # requests past the front door whose add the engine has not taken yet
+        self._max_num_seqs = config.scheduler.max_num_seqs
         self._lock = threading.Lock()
         self._pricing: Any = None
         self._budget: int | None = None
@@ -112,9 +130,11 @@ class EngineClient:
         with self._lock:
             return {**self._stats, "budget_bytes": self._budget or 0}
 
-    def check_admission(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> None:
-        """Raise ``RequestRejected`` for a request that can never fit (400) or when the waiting
-        queue is full (429). Called before a response starts, so the client gets a status."""
+    def check_admission(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> Admission:
+        """Admit a request at the front door, before a response starts, or raise
+        ``RequestRejected``: 400 if it can never fit in the KV budget, 429 if the waiting queue
+        is full. The returned ``Admission`` holds the request's queue place until ``generate``
+        hands it to the engine (or until it is dropped), so a burst cannot overfill the queue."""
         if self._pricing is not None and self._budget is not None:
             need = self._pricing.reservation(prompt_tokens, max_tokens, n).total
             if need > self._budget:
@@ -123,19 +143,27 @@ class EngineClient:
                                            f"budget is {self._budget:,} bytes. Reduce max_tokens, the prompt or n.",
                                       code="kv_budget_exceeded")
         with self._lock:
-            queued = self._stats["waiting"] + self._submitted
-        if queued >= self.config.max_queue:
-            raise RequestRejected(429, f"The server is at capacity ({queued} requests waiting); retry shortly.",
-                                  code="queue_full", retry_after=1)
+            # requests on their way in may still find a free row; the rest will wait
+            free_rows = max(self._max_num_seqs - self._stats["running"], 0)
+            queued = self._stats["waiting"] + max(self._submitted - free_rows, 0)
+            if queued >= self.config.max_queue:
+                raise RequestRejected(429, f"The server is at capacity ({queued} requests waiting); retry shortly.",
+                                      code="queue_full", retry_after=1)
+            self._submitted += 1
+        return Admission(self)
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str | None = None, n: int = 1) -> AsyncIterator[RequestOutput]:
+    def _release(self) -> None:
+        with self._lock:
+            self._submitted -= 1
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       n: int = 1, admission: Admission | None = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (``n`` choices, told apart by ``index``); the stream ends
         when every choice has had its output with ``finish_reason``. Leaving the loop early (a
         client disconnect cancels it) aborts the request inside the engine."""
         if not self.ready.is_set():
             raise EngineNotReady("the model is still loading")
-        self.check_admission(len(prompt_ids), params.max_tokens, n)
+        admission = admission or self.check_admission(len(prompt_ids), params.max_tokens, n)
         rid = RequestId(request_id or uuid.uuid4().hex)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -143,9 +171,7 @@ class EngineClient:
                             index=i) for i in range(n)]
         for request in requests:
             self._streams[request.request_id] = (loop, outputs)
-        with self._lock:
-            self._submitted += 1
-        self._inbox.put(lambda engine: self._add(engine, requests))
+        self._inbox.put(lambda engine: self._add(engine, requests, admission))
         open_choices = {r.request_id for r in requests}
         try:
             while open_choices:
@@ -159,14 +185,15 @@ class EngineClient:
             if open_choices:
                 self.abort(rid)
 
-    def _add(self, engine: Any, requests: list[Request]) -> list[RequestOutput]:
-        with self._lock:
-            self._submitted -= 1
+    def _add(self, engine: Any, requests: list[Request], admission: Admission) -> list[RequestOutput]:
         try:
             engine.add_request(requests[0], tuple(requests[1:]))
         except ValueError as exc:  # too large for the budget (raced a budget check) or a duplicate id
             return [RequestOutput(r.request_id, "", (), (), r.num_prompt_tokens, 0, FinishReason.ERROR, str(exc),
                                   index=r.index) for r in requests]
+        finally:  # from here the engine's own queues count the request
+            self._update_stats(engine)
+            admission.release()
         return []
 
     def abort(self, request_id: str) -> None:

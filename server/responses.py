@@ -26,6 +26,7 @@ class Job:
     include_usage: bool = False
     echo_text: str = ""
     n: int = 1
+    admission: Any = None  # the front door's engine.Admission, handed to EngineClient.generate
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)

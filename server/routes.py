@@ -88,7 +88,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def _respond(job: Job, stream: bool, request: Request) -> Any:
     client, state = request.app.state.client, request.app.state
     try:  # before any byte of a stream goes out: refusals get their own status
-        client.check_admission(len(job.prompt_ids), job.params.max_tokens, job.n)
+        job.admission = client.check_admission(len(job.prompt_ids), job.params.max_tokens, job.n)
     except RequestRejected as exc:
         state.metrics.rejected.labels(str(exc.status)).inc()
         raise APIError(exc.status, exc.message, code=exc.code,

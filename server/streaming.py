@@ -46,7 +46,8 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
                 yield _event(chunk(job, None, None, None, role=True, index=index))
             elif job.echo_text:
                 yield _event(chunk(job, job.echo_text, None, None, index=index))
-        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n):
+        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n,
+                                            admission=job.admission):
             i = output.index
             if sum(tokens) == 0 and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
@@ -65,7 +66,8 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
             if job.include_usage:
                 yield _event(usage_chunk(job, len(job.prompt_ids), sum(tokens)))
         yield {"data": "[DONE]"}
-    except RequestRejected as exc:  # raced the front-door check (e.g. the queue filled meanwhile)
+    except RequestRejected as exc:  # only without a front-door admission (the routes always take one)
+        metrics.rejected.labels(str(exc.status)).inc()
         yield _event(error_body(exc.status, exc.message, code=exc.code))
     finally:
         _observe(job, metrics, finish, sum(tokens))
@@ -82,7 +84,8 @@ async def collect(job: Job, client: EngineClient, metrics: Metrics, request: Req
 
     async def run() -> None:
         first = True
-        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n):
+        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n,
+                                            admission=job.admission):
             if first and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
                 first = False
@@ -91,6 +94,7 @@ async def collect(job: Job, client: EngineClient, metrics: Metrics, request: Req
     try:
         await until_disconnect(request, run())
     except RequestRejected as exc:
+        metrics.rejected.labels(str(exc.status)).inc()
         raise APIError(exc.status, exc.message, code=exc.code,
                        headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else None) from exc
     finally:

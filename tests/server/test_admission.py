@@ -13,11 +13,12 @@ and one test checks that the server's own reservation is exactly that price.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -195,7 +196,8 @@ def test_budget_is_reported_and_reservations_are_exact(bhttp: httpx.Client, budg
     with bhttp.stream("POST", CHAT, json=body) as response:
         assert response.status_code == 200
         seen = 0
-        for line in response.iter_lines():
+        lines = response.iter_lines()  # kept: a dropped line iterator would close the connection
+        for line in lines:
             if line.startswith("data: ") and json.loads(line[len("data: "):])["choices"][0]["delta"].get("content"):
                 seen += 1
                 if seen == 2:  # two text chunks: the prompt is done, decoding runs
@@ -235,6 +237,15 @@ def test_a_request_that_can_never_fit_is_refused_with_400(bhttp: httpx.Client, b
                                  "ignore_eos": True, "temperature": 0})
     assert ok["usage"]["completion_tokens"] == 8
     assert ok["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_without_max_tokens_reserves_a_whole_context(bhttp: httpx.Client, budget: int,
+                                                         prices: Pricing) -> None:
+    """Chat's default max_tokens is "up to the context", and admission prices that: under a
+    budget smaller than a whole context the request is refused (400) rather than run."""
+    assert prices.reservation(20, prices.context_length).total > budget
+    response = bhttp.post(CHAT, json={"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}]})
+    assert_openai_error(response, 400, "kv_budget_exceeded", "invalid_request_error")
 
 
 def test_the_sdk_sees_kv_budget_exceeded(budget_server: Server) -> None:
@@ -319,7 +330,7 @@ def test_the_budget_queues_requests_instead_of_failing_them(budget_server: Serve
     assert samples, "the poller saw nothing"
     assert poller.max("running") == 2, f"max running {poller.max('running')}, expected exactly 2 at once"
     assert poller.max("reserved_bytes") <= budget
-    assert all(s["kv_bytes"] <= s["reserved_bytes"] or s["running"] == 0 for s in samples), \
+    assert all(s["kv_bytes"] <= s["reserved_bytes"] for s in samples), \
         [s for s in samples if s["kv_bytes"] > s["reserved_bytes"]][:3]
     assert poller.max("waiting") >= 1  # someone did wait for room
     for status, before in rejected.items():
@@ -348,7 +359,7 @@ def test_a_full_queue_answers_429_with_retry_after(queue_server: Server, qhttp: 
     with httpx.Client(base_url=queue_server.base_url, timeout=120) as client:
         with client.stream("POST", CHAT, json=long_body) as first:
             assert first.status_code == 200
-            lines = first.iter_lines()
+            lines = first.iter_lines()  # kept: a dropped line iterator would close the connection
             seen = 0
             for line in lines:
                 if line.startswith("data: "):
@@ -396,14 +407,133 @@ def test_a_full_queue_answers_429_with_retry_after(queue_server: Server, qhttp: 
     assert metric(qhttp, "kvarn_requests_rejected_total", {"status": "429"}) == rejected + 3
 
 
+BURST = 12
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_burst_into_a_nearly_full_queue_gets_429s_not_200s(queue_server: Server, qhttp: httpx.Client,
+                                                              stream: bool) -> None:
+    """One request runs (max_num_seqs 1) and the queue (max 1) is empty; BURST requests arrive at
+    once. One of them may wait; every other one must get the 429 status with Retry-After, streamed
+    or not, never a 200 stream that carries the refusal inside it."""
+    wait_drained(qhttp)
+    rejected = metric(qhttp, "kvarn_requests_rejected_total", {"status": "429"})
+    disconnects = metric(qhttp, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"})
+    results: list[tuple[int, dict[str, str], str] | BaseException | None] = [None] * BURST
+
+    async def send(client: httpx.AsyncClient, i: int) -> None:
+        try:
+            async with client.stream("POST", CHAT, json=chat_body("hi", max_tokens=4, ignore_eos=True,
+                                                                   stream=stream)) as response:
+                await response.aread()
+            results[i] = (response.status_code, dict(response.headers), response.text)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results[i] = exc
+
+    async def burst() -> None:  # all at once, from one event loop
+        async with httpx.AsyncClient(base_url=queue_server.base_url, timeout=60,
+                                     limits=httpx.Limits(max_connections=BURST)) as client:
+            await asyncio.gather(*(send(client, i) for i in range(BURST)))
+
+    threads = [threading.Thread(target=asyncio.run, args=(burst(),))]
+    with httpx.Client(base_url=queue_server.base_url, timeout=120) as client:
+        with client.stream("POST", CHAT, json=chat_body(PROMPT, max_tokens=2000, ignore_eos=True,
+                                                        stream=True)) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped line iterator would close the connection
+            for line in lines:
+                if '"content": "' in line and '"content": ""' not in line:
+                    break  # decoding
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 20  # all but the one that waits are answered at once
+            while sum(r is not None for r in results) < BURST - 1:
+                assert time.monotonic() < deadline, results
+                time.sleep(0.02)
+            assert qhttp.get("/health").json()["running"] == 1
+        # the first stream closes: the one that waited runs
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(r, tuple) for r in results), results
+    statuses = sorted(r[0] for r in results)  # type: ignore[index]
+    refused_inside_200 = [r[2][-300:] for r in results if r[0] == 200 and "queue_full" in r[2]]  # type: ignore
+    assert not refused_inside_200, (f"{len(refused_inside_200)} of {BURST} requests got HTTP 200 and the "
+                                    f"queue_full refusal inside the stream: {refused_inside_200[0]!r}")
+    assert statuses == [200] + [429] * (BURST - 1), statuses
+    for status, headers, text in results:  # type: ignore[misc]
+        if status == 429:
+            assert int(headers["retry-after"]) >= 1
+            assert json.loads(text)["error"]["code"] == "queue_full"
+        elif stream:
+            assert text.rstrip().endswith("data: [DONE]")
+        else:
+            assert json.loads(text)["usage"]["completion_tokens"] == 4
+    wait_drained(qhttp)
+    counted = metric(qhttp, "kvarn_requests_rejected_total", {"status": "429"}) - rejected
+    disconnected = metric(qhttp, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"}) - \
+        disconnects
+    assert (counted, disconnected) == (BURST - 1, 1), \
+        (f"{BURST - 1} requests were refused with 429 and one client (the first's) left, but /metrics counted "
+         f"{counted:g} in kvarn_requests_rejected_total and {disconnected:g} disconnects in kvarn_requests_total")
+
+
+def test_requests_abandoned_while_waiting_leave_the_queue(queue_server: Server, qhttp: httpx.Client) -> None:
+    """Behind a running request: a waiting streamed n=2 request whose client leaves, and a waiting
+    non-streamed one whose client times out, both leave the queue (forks included); nothing is
+    left once the running one is closed too."""
+    wait_drained(qhttp)
+    disconnects = metric(qhttp, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"})
+
+    def wait_for(waiting: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while (health := qhttp.get("/health").json())["waiting"] != waiting:
+            assert time.monotonic() < deadline, f"expected {waiting} waiting: {health}"
+            time.sleep(0.02)
+        return health
+
+    with httpx.Client(base_url=queue_server.base_url, timeout=120) as client:
+        with client.stream("POST", CHAT, json=chat_body(PROMPT, max_tokens=2000, ignore_eos=True,
+                                                        stream=True)) as first:
+            assert first.status_code == 200
+            first_lines = first.iter_lines()  # kept: a dropped line iterator would close the connection
+            for line in first_lines:
+                if '"content": "' in line and '"content": ""' not in line:
+                    break  # decoding
+            with httpx.Client(base_url=queue_server.base_url, timeout=120) as other:
+                with other.stream("POST", CHAT, json=chat_body("hi", n=2, max_tokens=50, ignore_eos=True,
+                                                               stream=True)) as waiting:
+                    assert waiting.status_code == 200
+                    lines = (line for line in waiting.iter_lines() if line.startswith("data: "))
+                    roles = [json.loads(next(lines)[len("data: "):]) for _ in range(2)]  # role chunks
+                    assert [c["choices"][0]["index"] for c in roles] == [0, 1]
+                    health = wait_for(1)
+                    assert health["running"] == 1
+            wait_for(0)  # the n=2 request went away before it ever ran
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(queue_server.base_url + CHAT, json=chat_body("hi", max_tokens=50),
+                           timeout=httpx.Timeout(30, read=1.0))
+            health = wait_for(0)
+            assert health["running"] == 1
+        # the first stream closes here
+    wait_drained(qhttp)
+    assert metric(qhttp, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"}) == \
+        disconnects + 3
+    ok = post_json(qhttp, CHAT, chat_body("hi", n=2, max_tokens=4, ignore_eos=True))
+    assert ok["usage"]["completion_tokens"] == 8
+    wait_drained(qhttp)
+
+
 # --- n > 1 (the default session server) ---
 
-def _sdk_chat(sdk: openai.OpenAI, **fields: Any) -> Any:
-    return sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": PROMPT}], **fields)
+HI_RAW = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # a raw prompt whose greedy reply ends on EOS
 
 
-def _sdk_completion(sdk: openai.OpenAI, **fields: Any) -> Any:
-    return sdk.completions.create(model=MODEL_ID, prompt=RAW_PROMPT, **fields)
+def _sdk_chat(sdk: openai.OpenAI, content: str = PROMPT, **fields: Any) -> Any:
+    return sdk.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": content}], **fields)
+
+
+def _sdk_completion(sdk: openai.OpenAI, prompt: str = RAW_PROMPT, **fields: Any) -> Any:
+    return sdk.completions.create(model=MODEL_ID, prompt=prompt, **fields)
 
 
 def _texts(kind: str, response: Any) -> list[str]:
@@ -435,13 +565,20 @@ def test_n3_choices_count_their_tokens(sdk: openai.OpenAI, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
-@pytest.mark.parametrize("max_tokens,ignore_eos", [(24, True), (60, False)], ids=["length", "natural"])
-def test_n3_greedy_choices_equal_the_n1_answer(sdk: openai.OpenAI, kind: str, max_tokens: int,
-                                               ignore_eos: bool) -> None:
-    create = _sdk_chat if kind == "chat" else _sdk_completion
-    extra = {"extra_body": {"ignore_eos": True}} if ignore_eos else {}
-    one = create(sdk, max_tokens=max_tokens, temperature=0, **extra)
-    three = create(sdk, n=3, max_tokens=max_tokens, temperature=0, **extra)
+@pytest.mark.parametrize("natural", [False, True], ids=["length", "eos"])
+def test_n3_greedy_choices_equal_the_n1_answer(sdk: openai.OpenAI, kind: str, natural: bool) -> None:
+    """Greedy n=3: every choice is the n=1 answer, cut by max_tokens or ending on EOS (which
+    each choice counts, as the n=1 request does)."""
+    if kind == "chat":
+        create = functools.partial(_sdk_chat, content="hi" if natural else PROMPT)
+    else:
+        create = functools.partial(_sdk_completion, prompt=HI_RAW if natural else RAW_PROMPT)
+    fields: dict[str, Any] = {"max_tokens": 40, "temperature": 0}
+    if not natural:
+        fields.update(max_tokens=24, extra_body={"ignore_eos": True})
+    one = create(sdk, **fields)
+    three = create(sdk, n=3, **fields)
+    assert one.choices[0].finish_reason == ("stop" if natural else "length")
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert _texts(kind, three) == _texts(kind, one) * 3
     assert [c.finish_reason for c in three.choices] == [one.choices[0].finish_reason] * 3
@@ -496,3 +633,34 @@ def test_streamed_n2_matches_non_streamed(http: httpx.Client, path: str) -> None
     second = post_json(http, path, {**base, "n": 1, "seed": 100})
     assert whole["usage"]["completion_tokens"] == \
         single["usage"]["completion_tokens"] + second["usage"]["completion_tokens"]
+
+
+def test_n3_reserves_n_sequences_and_an_abort_frees_every_choice(server: Server, http: httpx.Client,
+                                                                 tokenizer: Tokenizer) -> None:
+    """A running n=3 request reserves exactly three sequences of prompt + max_tokens, holds no more
+    KV than that, and closing its stream frees all three choices."""
+    health = wait_drained(http)
+    dtype = http.get("/v1/models").json()["data"][0]["compute_dtype"]
+    prices = pricing(_DTYPE_BYTES[dtype])
+    max_tokens = 300
+    expected = prices.reservation(chat_prompt_tokens(tokenizer, PROMPT), max_tokens, 3).kv
+    assert health["budget_bytes"] >= expected
+    body = chat_body(PROMPT, n=3, max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=5, stream=True)
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        with client.stream("POST", CHAT, json=body) as response:
+            assert response.status_code == 200
+            texts: dict[int, int] = {}
+            lines = response.iter_lines()  # kept: a dropped line iterator would close the connection
+            for line in lines:
+                if not line.startswith("data: "):
+                    continue
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                if choice["delta"].get("content"):
+                    texts[choice["index"]] = texts.get(choice["index"], 0) + 1
+                    if len(texts) == 3 and min(texts.values()) >= 2:
+                        break  # every choice is decoding
+            during = http.get("/health").json()
+    assert during["running"] == 3, during
+    assert during["reserved_bytes"] == expected, (during, expected)
+    assert 0 < during["kv_bytes"] <= during["reserved_bytes"], during
+    wait_drained(http)
