@@ -6,10 +6,12 @@ Two parts:
    at several budgets, including the fp16 scheme both as it runs on this CPU (float32 storage)
    and as on a GPU (float16 storage);
 2. admitted (``--admit``): the real engine with ``--kv-budget-bytes`` = a small budget and
-   ``--requests`` prompts of the given length queued at once; reports the most requests the
-   scheduler ever ran together (prefill is real, so this takes a minute per layout on a CPU).
+   ``--requests`` requests queued at once, each reserving ``--tokens`` (a prompt of tokens - 72
+   and 72 generated tokens); reports the most requests the scheduler ever ran together (a
+   prompt being prefilled also holds its transient, so fewer run while prompts are prefilled;
+   prefill is real, so this takes minutes on a CPU).
 
-    python bench/capacity.py --tokens 3072 --budget-mib 1024 [--admit --admit-budget-mib 48]
+    python bench/capacity.py --tokens 3072 --budget-mib 256 1024 4096 [--admit --admit-budget-mib 128]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from server.blas import maybe_reexec_with_openblas  # noqa: E402
 
+_GENERATED = 72
 LAYOUTS = {  # label -> (KVConfig args, storage dtype override or None = the compute dtype)
     "fp16 (float16 storage, as on a GPU)": (("fp16",), "float16"),
     "fp16 (float32 storage, this CPU)": (("fp16",), None),
@@ -73,8 +76,8 @@ def admitted(tokens: int, budget_mib: float, requests: int, arms: list[str]) -> 
         engine = make_engine(loaded, SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024,
                                                      prefill_chunk_size=512, kv_budget_bytes=budget), KVConfig(*args))
         for i in range(requests):
-            engine.add_request(Request(RequestId(f"{i}"), rng.integers(16, 8000, tokens - 1).tolist(),
-                                       SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+            engine.add_request(Request(RequestId(f"{i}"), rng.integers(16, 8000, tokens - _GENERATED).tolist(),
+                                       SamplingParams(max_tokens=_GENERATED, temperature=0.0, ignore_eos=True)))
         most, peak_bytes = 0, 0
         while engine.has_work():
             engine.step()
@@ -90,8 +93,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=3072, help="tokens per sequence (prompt + generated)")
     parser.add_argument("--budget-mib", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--admit", action="store_true", help="also run the engine's admission for real")
-    parser.add_argument("--admit-budget-mib", type=float, default=48)
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--admit-budget-mib", type=float, default=128)
+    parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     maybe_reexec_with_openblas(disabled=False)

@@ -7,6 +7,7 @@
 #
 # Usage: bash bench/serving.sh
 # Env:   LEVELS="1 4 16 64"  MAX_TOKENS=64  PROMPT_TOKENS=128  BURST=64  OUT=bench/results
+#        REQUESTS=0      requests per level (0: max(2 x concurrency, 8))
 #        KVARN_ARGS=""   extra args for every `kvarn serve`
 #        MLX_ARGS=""     extra args for every mlx_lm.server (e.g. "--decode-concurrency 64")
 #        SERVERS="..."   subset of labels to run (default: all, see ALL below); the table
@@ -35,6 +36,7 @@ LEVELS=${LEVELS:-"1 4 16 64"}
 MAX_TOKENS=${MAX_TOKENS:-64}
 PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 BURST=${BURST:-64}
+REQUESTS=${REQUESTS:-0}
 OUT=${OUT:-bench/results}
 F32_MODEL=${F32_MODEL:-/tmp/fixture-f32}
 KVARN_ARGS=${KVARN_ARGS:-}
@@ -78,7 +80,7 @@ run_one() {
   done
   # shellcheck disable=SC2086
   python3 bench/serve_load.py --url "http://127.0.0.1:$port" --label "$label" ${model_id:+--model "$model_id"} \
-    --concurrency $LEVELS --max-tokens "$MAX_TOKENS" --prompt-tokens "$PROMPT_TOKENS" \
+    --concurrency $LEVELS --requests-per-level "$REQUESTS" --max-tokens "$MAX_TOKENS" --prompt-tokens "$PROMPT_TOKENS" \
     --burst "$BURST" --json-out "$OUT/serving-$label.json" || echo "!! $label: load run failed" >&2
   stop_server
   table   # refreshed after every server, so an interrupted run still leaves a table
