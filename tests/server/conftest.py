@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,27 +109,37 @@ def _launch(log_path: Path, *extra: str) -> Server | None:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("kvarn") / "server.log")
+@contextmanager
+def served(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str) -> Iterator[Server]:
+    """A ``kvarn serve`` with ``flags`` for the length of a fixture (log in a temp folder ``name``)."""
+    srv = start_server(tmp_path_factory.mktemp(name) / "server.log", *flags)
     try:
         yield srv
     finally:
         srv.stop()
+
+
+@contextmanager
+def client_of(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with served(tmp_path_factory, "kvarn") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
 def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("kvarn-auth") / "server.log", "--api-key", API_KEY)
-    try:
+    with served(tmp_path_factory, "kvarn-auth", "--api-key", API_KEY) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")
 def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.base_url, timeout=120) as client:
+    with client_of(server) as client:
         yield client
 
 

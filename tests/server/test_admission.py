@@ -29,7 +29,7 @@ from tokenizers import Tokenizer
 
 from engine.pricing import LayerSpec, Pricing
 from kvarn.layout import KVLayout
-from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, post_json, start_server, \
+from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, client_of, post_json, served, \
     stream_json, wait_idle
 
 CHAT = "/v1/chat/completions"
@@ -146,16 +146,13 @@ def budget(pair_prompt_tokens: int) -> int:
 
 @pytest.fixture(scope="module")
 def budget_server(tmp_path_factory: pytest.TempPathFactory, budget: int) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("kvarn-budget") / "server.log", "--kv-budget-bytes", str(budget))
-    try:
+    with served(tmp_path_factory, "kvarn-budget", "--kv-budget-bytes", str(budget)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def bhttp(budget_server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=budget_server.base_url, timeout=120) as client:
+    with client_of(budget_server) as client:
         yield client
 
 
@@ -168,17 +165,13 @@ def prices(bhttp: httpx.Client) -> Pricing:
 
 @pytest.fixture(scope="module")
 def queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("kvarn-queue") / "server.log", "--max-num-seqs", "1",
-                       "--max-queue", "1")
-    try:
+    with served(tmp_path_factory, "kvarn-queue", "--max-num-seqs", "1", "--max-queue", "1") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def qhttp(queue_server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=queue_server.base_url, timeout=120) as client:
+    with client_of(queue_server) as client:
         yield client
 
 
