@@ -17,7 +17,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from kvarn.layout import KVLayout
 from kvarn.quantize import rotate
-from kvarn.record import RecordArrays, RecordStore, quantize_tiles
+from kvarn.record import TILE_AXIS, RecordArrays, RecordStore, quantize_tiles
 
 STORE_DTYPE = mx.float16
 
@@ -37,6 +37,20 @@ class Chunk:
     keys: mx.array
     values: mx.array
     fresh: bool
+
+
+@dataclass(frozen=True)
+class Block:
+    """G tokens of a row as the prefix cache keeps them: ``kind`` "sink" (float16 keys and values)
+    or "record" (the record fields of one tile, in ``RecordArrays`` order)."""
+
+    index: int
+    kind: str
+    arrays: tuple[mx.array, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
 
 
 class KVarNKVCache(_BaseCache):
@@ -105,6 +119,37 @@ class KVarNKVCache(_BaseCache):
         other.records = self.records.fork()
         other.chunk = None
         return other
+
+    # --- blocks (the prefix cache's unit: G tokens each) ---
+    def blocks(self, count: int) -> list[Block]:
+        """The first ``count`` blocks of this row: block 0 is the float16 sink, block i > 0 is
+        record i - 1. Arrays are shared, never copied (they are never written in place)."""
+        G = self.layout.tile_size
+        if count < 0 or count > (1 + self.records.num_tiles if self.offset >= G else 0):
+            raise ValueError(f"a row of {self.offset} tokens ({self.records.num_tiles} records) has no {count} "
+                             "whole blocks")
+        out = [Block(0, "sink", (self.sink_k, self.sink_v))] if count else []
+        for i in range(1, count):
+            record = self.records.tile(i - 1)
+            out.append(Block(i, "record", tuple(getattr(record, name) for name in RecordArrays.__dataclass_fields__)))
+        return out
+
+    @classmethod
+    def from_blocks(cls, layout: KVLayout, blocks: list[Block]) -> KVarNKVCache:
+        """A row holding exactly ``blocks`` (``len(blocks) * G`` tokens, empty tail): what the
+        original row held at that token, byte for byte, without re-quantizing."""
+        if not blocks or [b.index for b in blocks] != list(range(len(blocks))) or blocks[0].kind != "sink" \
+                or any(b.kind != "record" for b in blocks[1:]):
+            raise ValueError("blocks must be the sink then records 0, 1, ... in order")
+        cache = cls(layout)
+        cache.sink_k, cache.sink_v = blocks[0].arrays
+        cache.tail_k, cache.tail_v = mx.zeros_like(cache.sink_k), mx.zeros_like(cache.sink_v)
+        if len(blocks) > 1:  # one concatenation per field for all the records
+            fields = {name: mx.concatenate([b.arrays[j] for b in blocks[1:]], axis=TILE_AXIS[name])
+                      for j, name in enumerate(RecordArrays.__dataclass_fields__)}
+            cache.records.append(RecordArrays(**fields), len(blocks) - 1)
+        cache.offset = len(blocks) * layout.tile_size
+        return cache
 
     # --- reading (for kvarn.attention) ---
     @property

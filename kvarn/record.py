@@ -21,7 +21,7 @@ from kvarn.quantize import quantize_keys, quantize_values
 
 _FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
 # axis along which each field grows with the number of tiles
-_TILE_AXIS = {"k_codes": 4, "k_alpha": 4, "k_beta": 4, "k_r": 3, "v_codes": 2, "v_alpha": 2, "v_beta": 2, "v_c": 2}
+TILE_AXIS = {"k_codes": 4, "k_alpha": 4, "k_beta": 4, "k_r": 3, "v_codes": 2, "v_alpha": 2, "v_beta": 2, "v_c": 2}
 
 
 @dataclass
@@ -88,7 +88,7 @@ class RecordStore:
             self.arrays = new
         else:
             self.arrays = RecordArrays(**{name: mx.concatenate([getattr(self.arrays, name), getattr(new, name)],
-                                                               axis=_TILE_AXIS[name]) for name in _FIELDS})
+                                                               axis=TILE_AXIS[name]) for name in _FIELDS})
         self.num_tiles += num_new
 
     def fork(self) -> RecordStore:
@@ -96,6 +96,18 @@ class RecordStore:
         other = RecordStore(self.layout)
         other.num_tiles, other.arrays = self.num_tiles, self.arrays
         return other
+
+    def tile(self, index: int) -> RecordArrays:
+        """Record ``index`` alone (slices of the stored arrays: nothing is copied or re-quantized)."""
+        if not 0 <= index < self.num_tiles:
+            raise IndexError(f"record {index} of {self.num_tiles}")
+        assert self.arrays is not None
+        fields = {}
+        for name in _FIELDS:
+            axis = TILE_AXIS[name]
+            start, end = _tile_len(name, index, self.layout), _tile_len(name, index + 1, self.layout)
+            fields[name] = getattr(self.arrays, name)[(slice(None),) * axis + (slice(start, end),)]
+        return RecordArrays(**fields)
 
     def view(self) -> RecordArrays | None:
         """The committed records, or None when there are none."""
