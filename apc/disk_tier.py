@@ -1,0 +1,261 @@
+"""The disk tier: one file per block under a folder per layout stamp, written behind, verified on read.
+
+    DIR/<layout stamp>/<key hex>.blk     owner-only (0600 files, 0700 folders)
+
+A file is ``MAGIC | header length | JSON header | payload``; the header names the stamp, the key,
+the block's token ids, the payload's parts (name, dtype, shape, byte range) and the payload's
+BLAKE2b checksum. Files are written by a background thread (callers never wait on the disk) to a
+temporary name and renamed into place, so a file is whole or absent. The index is rebuilt from the
+headers at start; every read checks magic, stamp, key, tokens, sizes and checksum, and a file that
+fails any check is a miss, is removed and is counted (``stats.bad_files``). The folder's bytes stay
+under a cap, least recently used files first (access time is kept as the file's mtime). A full,
+read-only or otherwise failing disk turns the tier off with one warning: the cache goes on in
+memory.
+
+Pure Python: payload parts are bytes with a dtype and shape; the engine thread turns MLX arrays into
+parts and back (``apc.blocks``), the writer thread never touches MLX.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVARNAPC1\n"
+SUFFIX = ".blk"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One array of a block payload, as raw little-endian bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass
+class DiskStats:
+    reads: int = 0
+    hits: int = 0
+    writes: int = 0
+    bad_files: int = 0
+    evicted: int = 0
+    write_errors: int = 0
+    bytes: int = 0
+
+
+def encode(stamp: str, key: bytes, tokens: tuple[int, ...], parts: list[Part]) -> bytes:
+    payload = b"".join(p.data for p in parts)
+    offset, layout = 0, []
+    for p in parts:
+        layout.append({"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "offset": offset, "nbytes": len(p.data)})
+        offset += len(p.data)
+    header = json.dumps({"stamp": stamp, "key": key.hex(), "tokens": list(tokens), "parts": layout,
+                         "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + payload
+
+
+class BadFile(ValueError):
+    pass
+
+
+def _header(blob: bytes) -> tuple[dict, int]:
+    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 4:
+        raise BadFile("bad magic")
+    (length,) = struct.unpack_from("<I", blob, len(MAGIC))
+    start = len(MAGIC) + 4
+    try:
+        header = json.loads(blob[start: start + length])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadFile(f"bad header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise BadFile("bad header")
+    return header, start + length
+
+
+def decode(blob: bytes, stamp: str, key: bytes, tokens: tuple[int, ...]) -> list[Part]:
+    """The parts of a file, or ``BadFile`` if it is not exactly what was asked for, whole."""
+    header, start = _header(blob)
+    if header.get("stamp") != stamp or header.get("key") != key.hex():
+        raise BadFile("wrong stamp or key")
+    if tuple(header.get("tokens", ())) != tuple(tokens):
+        raise BadFile("other tokens")
+    payload = blob[start:]
+    if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("checksum"):
+        raise BadFile("checksum mismatch")
+    parts = []
+    for p in header["parts"]:
+        data = payload[p["offset"]: p["offset"] + p["nbytes"]]
+        if len(data) != p["nbytes"]:
+            raise BadFile("truncated part")
+        parts.append(Part(p["name"], p["dtype"], tuple(p["shape"]), data))
+    return parts
+
+
+@dataclass
+class DiskTier:
+    root: Path
+    stamp: str
+    cap_bytes: int
+    stats: DiskStats = field(default_factory=DiskStats)
+
+    def __post_init__(self) -> None:
+        self.folder = Path(self.root) / self.stamp
+        self.enabled = True
+        self._lock = threading.Lock()
+        self._index: dict[bytes, tuple[int, float]] = {}  # key -> (bytes, last use)
+        self._queue: queue.Queue[tuple[bytes, bytes] | threading.Event | None] = queue.Queue()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.folder, 0o700)
+            self._rebuild_index()
+        except OSError as exc:
+            self._disable(f"cannot use {self.folder}: {exc}")
+        self._writer = threading.Thread(target=self._write_loop, name="kvarn-apc-disk", daemon=True)
+        self._writer.start()
+
+    # --- index ---
+    def _rebuild_index(self) -> None:
+        for path in self.folder.glob("*" + SUFFIX):
+            try:
+                key = bytes.fromhex(path.stem)
+                stat = path.stat()
+                with path.open("rb") as f:
+                    header, _ = _header(f.read(64 * 1024))
+                if header.get("key") != path.stem or header.get("stamp") != self.stamp:
+                    raise BadFile("header does not match its name")
+            except (OSError, ValueError):
+                self._remove_bad(path)
+                continue
+            self._index[key] = (stat.st_size, stat.st_mtime)
+        for tmp in self.folder.glob("*.tmp"):  # a write cut short by a crash
+            self._remove_bad(tmp)
+        self.stats.bytes = sum(size for size, _ in self._index.values())
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    # --- reading (caller's thread) ---
+    def get(self, key: bytes, tokens: tuple[int, ...]) -> list[Part] | None:
+        with self._lock:
+            if not self.enabled or key not in self._index:
+                return None
+        self.stats.reads += 1
+        path = self._path(key)
+        try:
+            parts = decode(path.read_bytes(), self.stamp, key, tokens)
+        except (OSError, BadFile) as exc:
+            logger.warning("prefix cache: bad block file %s (%s): removed", path.name, exc)
+            self._remove_bad(path, key)
+            return None
+        with self._lock:
+            if key in self._index:
+                self._index[key] = (self._index[key][0], _touch(path))
+        self.stats.hits += 1
+        return parts
+
+    # --- writing (background thread) ---
+    def put(self, key: bytes, tokens: tuple[int, ...], parts: list[Part]) -> None:
+        """Queue a block for writing (returns at once; an existing block is left as it is)."""
+        with self._lock:
+            if not self.enabled or key in self._index:
+                return
+        self._queue.put((key, encode(self.stamp, key, tokens, parts)))
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued write is done (tests, shutdown)."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait(timeout)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(10)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):  # a flush: everything queued before it is written
+                item.set()
+            elif self.enabled:
+                self._write(*item)
+
+    def _write(self, key: bytes, blob: bytes) -> None:
+        if len(blob) > self.cap_bytes:
+            return
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        try:
+            self._make_room(len(blob))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.stats.write_errors += 1
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._disable(f"writing {path.name} failed: {exc}")
+            return
+        with self._lock:
+            self._index[key] = (len(blob), _touch(path))
+            self.stats.bytes += len(blob)
+        self.stats.writes += 1
+
+    def _make_room(self, nbytes: int) -> None:
+        while True:
+            with self._lock:
+                if self.stats.bytes + nbytes <= self.cap_bytes or not self._index:
+                    return
+                victim = min(self._index, key=lambda k: self._index[k][1])
+                size, _ = self._index.pop(victim)
+                self.stats.bytes -= size
+            self._path(victim).unlink(missing_ok=True)
+            self.stats.evicted += 1
+
+    # --- helpers ---
+    def _path(self, key: bytes) -> Path:
+        return self.folder / (key.hex() + SUFFIX)
+
+    def _remove_bad(self, path: Path, key: bytes | None = None) -> None:
+        self.stats.bad_files += 1
+        with self._lock:
+            if key is not None and key in self._index:
+                self.stats.bytes -= self._index.pop(key)[0]
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+    def _disable(self, why: str) -> None:
+        with self._lock:
+            was, self.enabled = self.enabled, False
+        if was:
+            logger.warning("prefix cache: disk tier off, memory only from now on (%s)", why)
+
+
+def _touch(path: Path) -> float:
+    try:
+        os.utime(path)
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -1,0 +1,167 @@
+"""apc.disk_tier: written behind, atomic, owner-only, verified on every read (truncated,
+bit-flipped, wrong-stamp and half-written files are misses, removed and counted), re-indexed
+at start, LRU within a byte cap, and off with one warning when the disk fails."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from apc.blocks import from_parts, to_parts
+from apc.disk_tier import DiskTier, Part
+from apc.hashing import block_keys, root_key
+from kvarn.cache import KVarNKVCache
+from kvarn.layout import KVLayout
+
+G = 64
+LAYOUT = KVLayout.kvarn("k4v2", tile_size=G)
+
+
+def blocks_of_a_row(n_blocks: int = 3):
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.standard_normal((1, 2, n_blocks * G, 128)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 2, n_blocks * G, 128)).astype(np.float32))
+    row = KVarNKVCache(LAYOUT)
+    row.update_and_fetch(k, v)
+    tokens = list(range(1000, 1000 + n_blocks * G))
+    return row, row.blocks(n_blocks), block_keys(tokens, G, root_key("stamp", "model"))
+
+
+def parts_equal(a: list[Part], b: list[Part]) -> bool:
+    return [(p.name, p.dtype, p.shape, p.data) for p in a] == [(p.name, p.dtype, p.shape, p.data) for p in b]
+
+
+@pytest.fixture
+def tier(tmp_path):
+    t = DiskTier(tmp_path, "stamp", cap_bytes=10 * 2**20)
+    yield t
+    t.close()
+
+
+def test_round_trip_permissions_and_restart(tmp_path, tier):
+    row, blocks, keys = blocks_of_a_row()
+    for block, key in zip(blocks, keys):
+        tier.put(key.key, key.tokens, to_parts(block.kind, block.arrays))
+    tier.flush()
+    assert tier.stats.writes == 3 and len(tier) == 3
+    folder = tmp_path / "stamp"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in folder.iterdir())
+    restarted = DiskTier(tmp_path, "stamp", cap_bytes=10 * 2**20)  # a fresh process: the index is rebuilt
+    try:
+        assert len(restarted) == 3 and restarted.stats.bytes == tier.stats.bytes
+        got = [restarted.get(k.key, k.tokens) for k in keys]
+        kinds_arrays = [from_parts(p) for p in got]
+        rebuilt = KVarNKVCache.from_blocks(LAYOUT, [type(blocks[0])(i, kind, arrays)
+                                                   for i, (kind, arrays) in enumerate(kinds_arrays)])
+        original = KVarNKVCache.from_blocks(LAYOUT, blocks)
+        mx.eval(rebuilt.state, original.state)
+        assert [np.array(a).tobytes() for a in rebuilt.state] == [np.array(a).tobytes() for a in original.state]
+    finally:
+        restarted.close()
+
+
+def corrupt(path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "bit-flip":
+        data[-10] ^= 0x04
+        path.write_bytes(bytes(data))
+    elif how == "garbage":
+        path.write_bytes(b"not a block file")
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit-flip", "garbage"])
+def test_bad_files_are_misses_removed_and_counted(tmp_path, tier, how):
+    _, blocks, keys = blocks_of_a_row(1)
+    tier.put(keys[0].key, keys[0].tokens, to_parts(blocks[0].kind, blocks[0].arrays))
+    tier.flush()
+    path = tmp_path / "stamp" / (keys[0].hex + ".blk")
+    corrupt(path, how)
+    assert tier.get(keys[0].key, keys[0].tokens) is None
+    assert not path.exists() and tier.stats.bad_files == 1 and keys[0].key not in tier
+
+
+def test_wrong_stamp_other_tokens_and_half_written_files(tmp_path, tier):
+    _, blocks, keys = blocks_of_a_row(2)
+    for block, key in zip(blocks, keys):
+        tier.put(key.key, key.tokens, to_parts(block.kind, block.arrays))
+    tier.flush()
+    # a file of another layout copied under this stamp: removed when the index is rebuilt
+    other = DiskTier(tmp_path, "other-stamp", cap_bytes=2**20)
+    other.put(keys[0].key, keys[0].tokens, to_parts(blocks[0].kind, blocks[0].arrays))
+    other.flush()
+    other.close()
+    moved = tmp_path / "stamp" / "00112233445566778899aabbccddeeff.blk"
+    os.replace(tmp_path / "other-stamp" / (keys[0].hex + ".blk"), moved)
+    (tmp_path / "stamp" / "ffff.tmp").write_bytes(b"half")  # a write cut short
+    restarted = DiskTier(tmp_path, "stamp", cap_bytes=10 * 2**20)
+    try:
+        assert not moved.exists() and not (tmp_path / "stamp" / "ffff.tmp").exists()
+        assert restarted.stats.bad_files == 2 and len(restarted) == 2
+        # same key asked with other tokens: never served
+        assert restarted.get(keys[1].key, tuple(range(G))) is None and restarted.stats.bad_files == 3
+        assert restarted.get(keys[0].key, keys[0].tokens) is not None
+    finally:
+        restarted.close()
+
+
+def test_lru_keeps_the_folder_under_its_cap(tmp_path):
+    _, blocks, keys = blocks_of_a_row(3)
+    records = [(key, to_parts(block.kind, block.arrays)) for block, key in zip(blocks[1:], keys[1:])]
+    probe = DiskTier(tmp_path, "probe", cap_bytes=10 * 2**20)
+    probe.put(records[0][0].key, records[0][0].tokens, records[0][1])
+    probe.flush()
+    file_bytes = probe.stats.bytes  # one record block's file
+    probe.close()
+    tier = DiskTier(tmp_path, "stamp", cap_bytes=file_bytes + file_bytes // 2)  # room for one file
+    try:
+        for key, parts in records:
+            tier.put(key.key, key.tokens, parts)
+            tier.flush()
+            assert tier.stats.bytes <= tier.cap_bytes
+        assert len(tier) == 1 and tier.stats.evicted == 1
+        assert keys[2].key in tier and keys[1].key not in tier  # the older one went
+    finally:
+        tier.close()
+    tiny = DiskTier(tmp_path, "tiny", cap_bytes=file_bytes // 2)  # a file larger than the cap is not written
+    try:
+        tiny.put(records[0][0].key, records[0][0].tokens, records[0][1])
+        tiny.flush()
+        assert len(tiny) == 0 and tiny.stats.writes == 0
+    finally:
+        tiny.close()
+
+
+def test_a_failing_disk_turns_the_tier_off_with_one_warning(tmp_path, monkeypatch, caplog):
+    _, blocks, keys = blocks_of_a_row(2)
+    tier = DiskTier(tmp_path, "stamp", cap_bytes=10 * 2**20)
+    real_open = os.open
+
+    def full(path, *args, **kwargs):
+        if str(path).endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full)
+    with caplog.at_level(logging.WARNING, logger="apc.disk_tier"):
+        for block, key in zip(blocks, keys):
+            tier.put(key.key, key.tokens, to_parts(block.kind, block.arrays))
+        tier.flush()
+    tier.close()
+    assert not tier.enabled and tier.stats.write_errors == 1 and len(tier) == 0
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1 and len(caplog.records) == 1
+    assert list((tmp_path / "stamp").glob("*.tmp")) == []
+    # a folder that cannot be made (a file is in the way): off from the start, memory only
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    off = DiskTier(blocker, "stamp", cap_bytes=2**20)
+    assert not off.enabled and off.get(keys[0].key, keys[0].tokens) is None
+    off.close()
