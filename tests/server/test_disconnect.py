@@ -39,7 +39,8 @@ def test_streamed_disconnect_frees_the_request(http: httpx.Client, server: Serve
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             seen = 0
-            for line in response.iter_lines():
+            lines = response.iter_lines()  # kept: dropping the iterator closes the connection at once
+            for line in lines:
                 if line.startswith("data: "):
                     seen += 1
                     if seen == 3:  # the role chunk and two with text
