@@ -19,6 +19,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -173,6 +174,20 @@ def queue_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def qhttp(queue_server: Server) -> Iterator[httpx.Client]:
     with client_of(queue_server) as client:
         yield client
+
+
+@contextmanager
+def decoding_stream(server: Server) -> Iterator[httpx.Response]:
+    """A long streamed request that has started decoding. Its line iterator is kept open while the
+    block runs (dropping it would close the connection); the stream closes when the block ends."""
+    body = chat_body(PROMPT, max_tokens=2000, ignore_eos=True, stream=True)
+    with client_of(server) as client, client.stream("POST", CHAT, json=body) as first:
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        for line in lines:
+            if '"content": "' in line and '"content": ""' not in line:
+                break  # decoding
+        yield first
 
 
 # --- the KV budget ---
@@ -429,22 +444,15 @@ def test_a_burst_into_a_nearly_full_queue_gets_429s_not_200s(queue_server: Serve
             await asyncio.gather(*(send(client, i) for i in range(BURST)))
 
     threads = [threading.Thread(target=asyncio.run, args=(burst(),))]
-    with httpx.Client(base_url=queue_server.base_url, timeout=120) as client:
-        with client.stream("POST", CHAT, json=chat_body(PROMPT, max_tokens=2000, ignore_eos=True,
-                                                        stream=True)) as first:
-            assert first.status_code == 200
-            lines = first.iter_lines()  # kept: a dropped line iterator would close the connection
-            for line in lines:
-                if '"content": "' in line and '"content": ""' not in line:
-                    break  # decoding
-            for t in threads:
-                t.start()
-            deadline = time.monotonic() + 20  # all but the one that waits are answered at once
-            while sum(r is not None for r in results) < BURST - 1:
-                assert time.monotonic() < deadline, results
-                time.sleep(0.02)
-            assert qhttp.get("/health").json()["running"] == 1
-        # the first stream closes: the one that waited runs
+    with decoding_stream(queue_server) as first:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20  # all but the one that waits are answered at once
+        while sum(r is not None for r in results) < BURST - 1:
+            assert time.monotonic() < deadline, results
+            time.sleep(0.02)
+        assert qhttp.get("/health").json()["running"] == 1
+    # the first stream closes: the one that waited runs
     for t in threads:
         t.join(60)
     assert all(isinstance(r, tuple) for r in results), results
@@ -484,30 +492,23 @@ def test_requests_abandoned_while_waiting_leave_the_queue(queue_server: Server, 
             time.sleep(0.02)
         return health
 
-    with httpx.Client(base_url=queue_server.base_url, timeout=120) as client:
-        with client.stream("POST", CHAT, json=chat_body(PROMPT, max_tokens=2000, ignore_eos=True,
-                                                        stream=True)) as first:
-            assert first.status_code == 200
-            first_lines = first.iter_lines()  # kept: a dropped line iterator would close the connection
-            for line in first_lines:
-                if '"content": "' in line and '"content": ""' not in line:
-                    break  # decoding
-            with httpx.Client(base_url=queue_server.base_url, timeout=120) as other:
-                with other.stream("POST", CHAT, json=chat_body("hi", n=2, max_tokens=50, ignore_eos=True,
-                                                               stream=True)) as waiting:
-                    assert waiting.status_code == 200
-                    lines = (line for line in waiting.iter_lines() if line.startswith("data: "))
-                    roles = [json.loads(next(lines)[len("data: "):]) for _ in range(2)]  # role chunks
-                    assert [c["choices"][0]["index"] for c in roles] == [0, 1]
-                    health = wait_for(1)
-                    assert health["running"] == 1
-            wait_for(0)  # the n=2 request went away before it ever ran
-            with pytest.raises(httpx.ReadTimeout):
-                httpx.post(queue_server.base_url + CHAT, json=chat_body("hi", max_tokens=50),
-                           timeout=httpx.Timeout(30, read=1.0))
-            health = wait_for(0)
-            assert health["running"] == 1
-        # the first stream closes here
+    with decoding_stream(queue_server) as first:
+        with httpx.Client(base_url=queue_server.base_url, timeout=120) as other:
+            with other.stream("POST", CHAT, json=chat_body("hi", n=2, max_tokens=50, ignore_eos=True,
+                                                           stream=True)) as waiting:
+                assert waiting.status_code == 200
+                lines = (line for line in waiting.iter_lines() if line.startswith("data: "))
+                roles = [json.loads(next(lines)[len("data: "):]) for _ in range(2)]  # role chunks
+                assert [c["choices"][0]["index"] for c in roles] == [0, 1]
+                health = wait_for(1)
+                assert health["running"] == 1
+        wait_for(0)  # the n=2 request went away before it ever ran
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(queue_server.base_url + CHAT, json=chat_body("hi", max_tokens=50),
+                       timeout=httpx.Timeout(30, read=1.0))
+        health = wait_for(0)
+        assert health["running"] == 1
+    # the first stream closes here
     wait_drained(qhttp)
     assert metric(qhttp, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"}) == \
         disconnects + 3
