@@ -23,7 +23,7 @@ KEY_VERSION = 1
 DIGEST_BYTES = 16
 
 
-def _digest(*parts: bytes) -> bytes:
+def digest(*parts: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     for part in parts:
         h.update(len(part).to_bytes(8, "little"))  # length-prefixed: no two part lists collide by joining
@@ -31,14 +31,14 @@ def _digest(*parts: bytes) -> bytes:
     return h.digest()
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
     """Little-endian uint32 ids (``struct.error`` for an id outside uint32)."""
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
 def root_key(layout_stamp: str, model_fingerprint: str, cache_salt: str | None = None) -> bytes:
     """The salt every chain starts from. ``cache_salt`` None and "" are the same (no salt)."""
-    return _digest(b"kvarn-apc", str(KEY_VERSION).encode(), layout_stamp.encode(), model_fingerprint.encode(),
+    return digest(b"kvarn-apc", str(KEY_VERSION).encode(), layout_stamp.encode(), model_fingerprint.encode(),
                    (cache_salt or "").encode())
 
 
@@ -63,7 +63,7 @@ def block_keys(tokens: Sequence[int], block_size: int, root: bytes, limit: int |
     keys, previous = [], root
     for i in range(count):
         block = tuple(int(t) for t in tokens[i * block_size: (i + 1) * block_size])
-        previous = _digest(previous, _token_bytes(block))
+        previous = digest(previous, token_bytes(block))
         keys.append(BlockKey(i, previous, block))
     return keys
 
