@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -205,3 +206,12 @@ def wait_idle(http: httpx.Client, timeout: float = 10.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise AssertionError(f"the server was still busy after {timeout} s: {health}")
         time.sleep(0.05)
+
+
+def metric(http: httpx.Client, name: str, labels: dict[str, str] | None = None) -> float:
+    """One sample of the server's /metrics (0 when it has none yet)."""
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for s in family.samples:
+            if s.name == name and (labels is None or s.labels == labels):
+                return s.value
+    return 0.0

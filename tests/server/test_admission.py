@@ -25,13 +25,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from engine.pricing import LayerSpec, Pricing
 from kvarn.layout import KVLayout
-from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, client_of, post_json, served, \
-    stream_json, wait_idle
+from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, client_of, metric, post_json, \
+    served, stream_json, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -71,14 +70,6 @@ def budget_for_two(prompt_tokens: int, max_tokens: int) -> int:
     low, high = max(lows), min(highs)
     assert low < high, (low, high)
     return (low + high) // 2
-
-
-def metric(http: httpx.Client, name: str, labels: dict[str, str] | None = None) -> float:
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for s in family.samples:
-            if s.name == name and (labels is None or s.labels == labels):
-                return s.value
-    return 0.0
 
 
 def wait_drained(http: httpx.Client, timeout: float = 10.0) -> dict[str, Any]:

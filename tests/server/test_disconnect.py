@@ -7,20 +7,11 @@ import threading
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import Server, chat_body, wait_idle
+from tests.server.conftest import Server, chat_body, metric, wait_idle
 
 LONG = 3000  # tokens: over a minute of decoding on this CPU
 FREED_WITHIN_S = 10.0
-
-
-def _sample(http: httpx.Client, name: str, labels: dict[str, str] | None = None) -> float:
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for s in family.samples:
-            if s.name == name and (labels is None or s.labels == labels):
-                return s.value
-    return 0.0
 
 
 def _wait_running(http: httpx.Client, timeout: float = 10.0) -> None:
@@ -32,8 +23,8 @@ def _wait_running(http: httpx.Client, timeout: float = 10.0) -> None:
 
 def test_streamed_disconnect_frees_the_request(http: httpx.Client, server: Server) -> None:
     wait_idle(http)
-    disconnects = _sample(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"})
-    generated = _sample(http, "kvarn_generation_tokens_total")
+    disconnects = metric(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"})
+    generated = metric(http, "kvarn_generation_tokens_total")
     body = chat_body("Tell me everything about Linux.", max_tokens=LONG, ignore_eos=True, stream=True)
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -50,14 +41,14 @@ def test_streamed_disconnect_frees_the_request(http: httpx.Client, server: Serve
     health = wait_idle(http, FREED_WITHIN_S)
     assert health["running"] == 0 and health["waiting"] == 0 and health["kv_bytes"] == 0
     assert time.monotonic() - closed < FREED_WITHIN_S
-    assert _sample(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"}) == \
+    assert metric(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"}) == \
         disconnects + 1
-    assert generated + 2 <= _sample(http, "kvarn_generation_tokens_total") < generated + LONG // 4
+    assert generated + 2 <= metric(http, "kvarn_generation_tokens_total") < generated + LONG // 4
 
 
 def test_non_streamed_client_timeout_frees_the_request(http: httpx.Client, server: Server) -> None:
     wait_idle(http)
-    disconnects = _sample(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"})
+    disconnects = metric(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"})
     errors: list[BaseException] = []
 
     def impatient() -> None:
@@ -77,7 +68,7 @@ def test_non_streamed_client_timeout_frees_the_request(http: httpx.Client, serve
     health = wait_idle(http, FREED_WITHIN_S)
     assert health["kv_bytes"] == 0
     assert time.monotonic() - closed < FREED_WITHIN_S
-    assert _sample(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"}) == \
+    assert metric(http, "kvarn_requests_total", {"endpoint": "chat", "finish_reason": "disconnect"}) == \
         disconnects + 1
 
 
