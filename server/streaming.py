@@ -39,7 +39,7 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
     metrics.prompt_tokens.inc(len(job.prompt_ids))
     offsets = [len(job.echo_text)] * job.n
     tokens = [0] * job.n
-    finish: FinishReason | None = None
+    finishes: list[FinishReason | None] = [None] * job.n
     try:
         for index in range(job.n):
             if job.kind == "chat":
@@ -51,7 +51,7 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
             i = output.index
             if sum(tokens) == 0 and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
-            tokens[i], finish = output.num_output_tokens, output.finish_reason or finish
+            tokens[i], finishes[i] = output.num_output_tokens, output.finish_reason
             if output.error is not None:
                 yield _event(error_body(500, output.error, code="generation_failed"))
                 break
@@ -70,7 +70,13 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
         metrics.rejected.labels(str(exc.status)).inc()
         yield _event(error_body(exc.status, exc.message, code=exc.code))
     finally:
-        _observe(job, metrics, finish, sum(tokens))
+        _observe(job, metrics, _overall(finishes), sum(tokens))
+
+
+def _overall(finishes: list[FinishReason | None]) -> FinishReason | None:
+    """A request's finish for the metrics: choice 0's once every choice has finished, else None
+    (the client left first)."""
+    return finishes[0] if all(f is not None for f in finishes) else None
 
 
 def _event(payload: dict[str, Any]) -> dict[str, str]:
@@ -99,8 +105,8 @@ async def collect(job: Job, client: EngineClient, metrics: Metrics, request: Req
                        headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else None) from exc
     finally:
         lasts = [c.last for c in choices if c.last is not None]
-        finish = lasts[0].finish_reason if len(lasts) == job.n else None
-        _observe(job, metrics, finish, sum(last.num_output_tokens for last in lasts))
+        _observe(job, metrics, _overall([c.last.finish_reason if c.last else None for c in choices]),
+                 sum(last.num_output_tokens for last in lasts))
     errors = [c.last.error for c in choices if c.last is not None and c.last.error is not None]
     if errors:
         raise APIError(500, errors[0], code="generation_failed")
