@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -215,3 +216,34 @@ def metric(http: httpx.Client, name: str, labels: dict[str, str] | None = None) 
             if s.name == name and (labels is None or s.labels == labels):
                 return s.value
     return 0.0
+
+
+class HealthPoller:
+    """Polls /health in a thread while the block runs; keeps every answer (and any error)."""
+
+    def __init__(self, base_url: str, interval: float = 0.01) -> None:
+        self.samples: list[dict[str, Any]] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._base_url, self._interval = base_url, interval
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self._base_url, timeout=30) as client:
+            while not self._stop.is_set():
+                try:
+                    self.samples.append(client.get("/health").json())
+                except Exception as exc:  # noqa: BLE001 - reported by the test
+                    self.errors.append(exc)
+                time.sleep(self._interval)
+
+    def __enter__(self) -> HealthPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def max(self, key: str) -> int:
+        return max(s[key] for s in self.samples)

@@ -30,7 +30,7 @@ from tokenizers import Tokenizer
 from engine.pricing import LayerSpec, Pricing
 from kvarn.layout import KVLayout
 from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, client_of, metric, post_json, \
-    served, stream_json, wait_idle
+    HealthPoller, served, stream_json, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -95,33 +95,6 @@ def assert_openai_error(response: httpx.Response, status: int, code: str, kind: 
     assert error["code"] == code and error["type"] == kind
     assert isinstance(error["message"], str) and error["message"]
     return error
-
-
-class HealthPoller:
-    """Polls /health in a thread and keeps every answer."""
-
-    def __init__(self, base_url: str, interval: float = 0.01) -> None:
-        self.samples: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._base_url, self._interval = base_url, interval
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self._base_url, timeout=10) as client:
-            while not self._stop.is_set():
-                self.samples.append(client.get("/health").json())
-                time.sleep(self._interval)
-
-    def __enter__(self) -> HealthPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(15)
-
-    def max(self, key: str) -> int:
-        return max(s[key] for s in self.samples)
 
 
 # --- servers ---
@@ -435,7 +408,7 @@ def test_a_burst_into_a_nearly_full_queue_gets_429s_not_200s(queue_server: Serve
             await asyncio.gather(*(send(client, i) for i in range(BURST)))
 
     threads = [threading.Thread(target=asyncio.run, args=(burst(),))]
-    with decoding_stream(queue_server) as first:
+    with decoding_stream(queue_server):
         for t in threads:
             t.start()
         deadline = time.monotonic() + 20  # all but the one that waits are answered at once
@@ -483,7 +456,7 @@ def test_requests_abandoned_while_waiting_leave_the_queue(queue_server: Server, 
             time.sleep(0.02)
         return health
 
-    with decoding_stream(queue_server) as first:
+    with decoding_stream(queue_server):
         with httpx.Client(base_url=queue_server.base_url, timeout=120) as other:
             with other.stream("POST", CHAT, json=chat_body("hi", n=2, max_tokens=50, ignore_eos=True,
                                                            stream=True)) as waiting:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import MODEL_ID, Server, wait_idle
+from tests.server.conftest import MODEL_ID, HealthPoller, Server, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -146,32 +145,6 @@ def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
     return total
 
 
-class HealthPoller:
-    def __init__(self, base_url: str) -> None:
-        self.samples: list[dict[str, Any]] = []
-        self.errors: list[BaseException] = []
-        self._stop = threading.Event()
-        self._base_url = base_url
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self._base_url, timeout=30) as client:
-            while not self._stop.is_set():
-                try:
-                    self.samples.append(client.get("/health").json())
-                except BaseException as exc:  # noqa: BLE001 - reported by the test
-                    self.errors.append(exc)
-                time.sleep(0.02)
-
-    def __enter__(self) -> HealthPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-
 async def run_one(client: httpx.AsyncClient, spec: Spec) -> Any:
     if spec.fate == "timeout":
         try:
@@ -222,7 +195,7 @@ async def test_200_concurrent_requests_match_their_solo_answers(server: Server, 
     before = http.get("/metrics").text
     limits = httpx.Limits(max_connections=TOTAL + 10, max_keepalive_connections=TOTAL + 10)
     started = time.monotonic()
-    with HealthPoller(server.base_url) as poller:
+    with HealthPoller(server.base_url, interval=0.02) as poller:
         async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=120) as client:
             results = await asyncio.gather(*(run_one(client, s) for s in specs), return_exceptions=True)
     elapsed = time.monotonic() - started
