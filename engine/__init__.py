@@ -5,7 +5,7 @@ This is the public API the server may use. Importing it imports MLX.
 
 from engine.bench import BenchConfig, BenchReport, run_bench
 from engine.engine import Engine, make_engine
-from engine.kv_config import KVConfig
+from engine.kv_config import ApcConfig, KVConfig
 from engine.engine_client import EngineClient, EngineConfig, EngineNotReady, ModelInfo, RequestRejected
 from engine.loader import BUNDLED_MODEL_DIR, DTYPES, LoadedModel, load_model
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams, TokenLogprob
@@ -13,7 +13,7 @@ from engine.sampler import MAX_TOP_LOGPROBS
 from engine.scheduler import SchedulerConfig
 
 __all__ = [
-    "BUNDLED_MODEL_DIR", "BenchConfig", "BenchReport", "DTYPES", "Engine", "EngineClient", "EngineConfig",
+    "ApcConfig", "BUNDLED_MODEL_DIR", "BenchConfig", "BenchReport", "DTYPES", "Engine", "EngineClient", "EngineConfig",
     "EngineNotReady", "FinishReason", "KVConfig", "LoadedModel", "MAX_TOP_LOGPROBS", "ModelInfo", "Request", "RequestId",
     "RequestOutput", "RequestRejected", "SamplingParams", "SchedulerConfig", "TokenLogprob", "load_model", "make_engine", "run_bench",
 ]

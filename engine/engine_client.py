@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.kv_config import KVConfig
+from engine.kv_config import ApcConfig, KVConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class EngineConfig:
     dtype: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv: KVConfig = field(default_factory=KVConfig)
+    apc: ApcConfig = field(default_factory=ApcConfig)
     max_queue: int = 1024  # requests waiting for admission beyond this are refused (429)
 
 
@@ -113,8 +114,9 @@ class EngineClient:
     def encode(self, text: str) -> list[int]:
         return list(self._require_tokenizer().encode(text, add_special_tokens=False))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids = self._require_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        ids = self._require_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                            tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def decode_token(self, token_id: int) -> str:
@@ -157,10 +159,15 @@ class EngineClient:
             self._submitted -= 1
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       n: int = 1, admission: Admission | None = None) -> AsyncIterator[RequestOutput]:
+                       n: int = 1, admission: Admission | None = None, cache_salt: str | None = None,
+                       snapshot_at: tuple[int, ...] = ()) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (``n`` choices, told apart by ``index``); the stream ends
         when every choice has had its output with ``finish_reason``. Leaving the loop early (a
-        client disconnect cancels it) aborts the request inside the engine."""
+        client disconnect cancels it) aborts the request inside the engine.
+
+        ``cache_salt``: the prefix cache serves this request only blocks cached under the same
+        salt. ``snapshot_at``: prompt lengths where a whole-row snapshot is worth keeping (the
+        end of a chat's system prompt), for models served by the checkpoint tier."""
         if not self.ready.is_set():
             raise EngineNotReady("the model is still loading")
         admission = admission or self.check_admission(len(prompt_ids), params.max_tokens, n)
@@ -168,7 +175,7 @@ class EngineClient:
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         requests = [Request(RequestId(rid if i == 0 else f"{rid}-{i}"), list(prompt_ids), _choice_params(params, i),
-                            index=i) for i in range(n)]
+                            index=i, cache_salt=cache_salt, snapshot_at=tuple(snapshot_at)) for i in range(n)]
         for request in requests:
             self._streams[request.request_id] = (loop, outputs)
         self._inbox.put(lambda engine: self._add(engine, requests, admission))
@@ -195,6 +202,34 @@ class EngineClient:
             self._update_stats(engine)
             admission.release()
         return []
+
+    async def cache_stats(self) -> dict[str, Any]:
+        """The prefix cache's counters and sizes (``GET /v1/cache/stats``), read on the engine thread."""
+        return await self._call(lambda engine: engine.prefix_cache_stats())
+
+    async def reset_cache(self) -> dict[str, Any]:
+        """Drop every cached block and snapshot, in memory and on disk (``POST /v1/cache/reset``);
+        running requests keep their rows. Returns what was released."""
+        return await self._call(lambda engine: engine.reset_prefix_cache())
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        if not self.ready.is_set() or self.info is None:
+            raise EngineNotReady("the model is still loading")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def command(engine: Any) -> list[RequestOutput]:
+            try:
+                result = fn(engine)
+            except Exception as exc:  # handed to the caller, never raised on the engine thread
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+            return []
+
+        self._inbox.put(command)
+        return await future
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(lambda engine: self._abort(engine, RequestId(request_id)))
@@ -269,6 +304,15 @@ class EngineClient:
         if stream is not None:
             loop, outputs = stream
             loop.call_soon_threadsafe(outputs.put_nowait, output)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -15,3 +15,15 @@ class KVConfig:
     value_bits: int | None = None
     tile: int = 128
     group_size: int = 64
+
+
+@dataclass(frozen=True)
+class ApcConfig:
+    """The automatic prefix cache, in plain values. ``memory_bytes`` None: a quarter of the KV
+    budget (the tier's bytes are carved out of the KV budget, never added to it); ``disk_dir``
+    None: memory only."""
+
+    enabled: bool = True
+    memory_bytes: int | None = None
+    disk_dir: str | None = None
+    disk_bytes: int = 4 * 2**30

@@ -74,6 +74,9 @@ class Request:
     finish_reason: FinishReason | None = None
     fork_of: RequestId | None = None  # choice ``index`` > 0 of an ``n > 1`` request: forked at prefill end
     index: int = 0
+    cache_salt: str | None = None  # the prefix cache serves only blocks cached under the same salt
+    snapshot_at: tuple[int, ...] = ()  # prompt lengths worth a whole-row snapshot (checkpoint tier)
+    num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,6 +113,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     index: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
     @property
     def finished(self) -> bool:

@@ -3,8 +3,9 @@ mlx-lm models to it.
 
 Three paths, by what the cache holds:
 - a fresh prompt's first chunk: plain SDPA over the chunk's own keys and values;
-- later prefill chunks (L > 1): the records are dequantized once to float16 and joined with
-  sink and tail for the fused SDPA (transient memory: one float16 copy of the history);
+- later prefill chunks (L > 1): the records are dequantized once to float16 and joined with the
+  sink and the chunk's float16 window for the fused SDPA, under a mask that gives each token
+  the view decode would give it (``chunk_attention``; transient: one copy of the history);
 - decode (L == 1): scores from ``quantized_matmul`` over the transposed key codes, per-tile value
   partials with channel factors, fp16 sink and tail, one softmax, inverse rotation.
 """
@@ -109,11 +110,55 @@ def decode_uses_quantized_matmul() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
+def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.array:
+    """A later prefill chunk (L > 1), each token seeing what decode would have shown it.
+
+    Decode at position p attends to the sink, the records of every tile committed once p is in
+    (tiles ending at or before p + 1) and, in float16, the tail: its own tile's tokens up to p.
+    A chunk gives each of its tokens exactly that view: keys are [sink | dequantized records |
+    window] (the window: the chunk's own tokens and the tail before it, in float16) under a
+    per-token mask. So a token's attention does not depend on how the prompt was chunked, nor
+    on whether it came in a chunk or in decode; a prefix restored from the prefix cache (records
+    made by any of them) continues exactly as the row that made it would have."""
+    chunk = cache.chunk
+    G = cache.layout.tile_size
+    dtype = mx.float32 if queries.dtype == mx.float32 else mx.float16
+    L = queries.shape[2]
+    parts_k = [cache.sink_k[..., : cache.sink_len, :].astype(dtype)]
+    parts_v = [cache.sink_v[..., : cache.sink_len, :].astype(dtype)]
+    kinds = [mx.zeros((cache.sink_len,), mx.int32)]
+    positions = [mx.arange(cache.sink_len)]
+    view = cache.records.view()
+    if view is not None:
+        k, v = dequantize_records(cache, view, dtype)
+        parts_k.append(k)
+        parts_v.append(v)
+        kinds.append(mx.ones((k.shape[2],), mx.int32))
+        positions.append(G + mx.arange(k.shape[2]))
+    if chunk.window_k is not None:
+        parts_k.append(chunk.window_k.astype(dtype))
+        parts_v.append(chunk.window_v.astype(dtype))
+        kinds.append(mx.full((chunk.window_k.shape[2],), 2, mx.int32))
+        positions.append(chunk.window_start + mx.arange(chunk.window_k.shape[2]))
+    kind, kpos = mx.concatenate(kinds)[None], mx.concatenate(positions)[None]
+    qpos = (chunk.start + mx.arange(L))[:, None]
+    committed = ((qpos + 1) // G) * G  # tokens before this are in records once the query is in
+    mask = (((kind == 0) & (kpos <= qpos)) | ((kind == 1) & (kpos < committed))
+            | ((kind == 2) & (kpos >= committed) & (kpos <= qpos)))
+    q = rotate(queries.astype(mx.float32)).astype(queries.dtype)
+    out = mx.fast.scaled_dot_product_attention(q, mx.concatenate(parts_k, axis=2).astype(q.dtype),
+                                               mx.concatenate(parts_v, axis=2).astype(q.dtype), scale=scale,
+                                               mask=mask)
+    return rotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
 def kvarn_attention(queries: mx.array, cache: KVarNKVCache, scale: float, mask: Any) -> mx.array:
     chunk = cache.chunk
     L = queries.shape[2]
     if chunk is not None and chunk.fresh:
         return mx.fast.scaled_dot_product_attention(queries, chunk.keys, chunk.values, scale=scale, mask=mask)
+    if L > 1 and chunk is not None:
+        return chunk_attention(queries, cache, scale)
     if L == 1 and decode_uses_quantized_matmul():
         return decode_attention(queries, cache, scale)
     keys, values = full_history(cache, mx.float32 if queries.dtype == mx.float32 else mx.float16)

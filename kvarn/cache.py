@@ -32,17 +32,29 @@ def _write(buffer: mx.array, update: mx.array, start: int) -> mx.array:
 @dataclass(frozen=True)
 class Chunk:
     """The keys and values of the latest update, as given (unrotated), and whether the cache was
-    empty before it (a fresh prompt's first chunk attends to them directly, in full precision)."""
+    empty before it (a fresh prompt's first chunk attends to them directly, in full precision).
+
+    For a later chunk of several tokens, ``window_k``/``window_v`` hold the rotated float16 keys
+    and values of tokens ``[window_start, offset)``: the tail as it was before the chunk, then the
+    chunk's own tokens past the sink. Attention gives each token the same view decode gives it
+    (``kvarn.attention``): the sink, the records of the tiles committed before it, and its own
+    tile in float16 from this window."""
 
     keys: mx.array
     values: mx.array
     fresh: bool
+    start: int = 0
+    window_start: int = 0
+    window_k: mx.array | None = None
+    window_v: mx.array | None = None
 
 
 @dataclass(frozen=True)
 class Block:
-    """G tokens of a row as the prefix cache keeps them: ``kind`` "sink" (float16 keys and values)
-    or "record" (the record fields of one tile, in ``RecordArrays`` order)."""
+    """G tokens of a row as the prefix cache keeps them: ``kind`` "sink" (the rotated float16 sink),
+    "record" (the record fields of one tile, in ``RecordArrays`` order) or "fresh" (the keys and
+    values of a fresh prompt chunk as the model gave them: unrotated, in the compute dtype, which a
+    restored row needs to attend to them in full precision as that chunk did)."""
 
     index: int
     kind: str
@@ -70,12 +82,20 @@ class KVarNKVCache(_BaseCache):
         self.tail_len = 0
         self.records = RecordStore(layout)
         self.chunk: Chunk | None = None
+        # a row restored from "fresh" blocks: their raw keys and values, not yet written; the next
+        # update prepends them and runs as the fresh chunk the row's first tokens were part of
+        self.pending: tuple[mx.array, mx.array] | None = None
 
     # --- writing ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if self.pending is not None:  # restored mid-fresh-chunk: the update continues that chunk
+            (pk, pv), self.pending = self.pending, None
+            keys = mx.concatenate([pk, keys.astype(pk.dtype)], axis=2)
+            values = mx.concatenate([pv, values.astype(pv.dtype)], axis=2)
+            self.offset = 0
         B, H, L, D = keys.shape
         G = self.layout.tile_size
-        self.chunk = Chunk(keys, values, fresh=self.offset == 0)
+        start = self.offset
         k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE)
         v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE)
         if self.sink_k is None:
@@ -86,12 +106,21 @@ class KVarNKVCache(_BaseCache):
             used = min(G - self.offset, L)
             self.sink_k = _write(self.sink_k, k_rot[..., :used, :], self.offset)
             self.sink_v = _write(self.sink_v, v_rot[..., :used, :], self.offset)
+        window = (None, None)
         if used < L:
-            self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
+            window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
+        fresh = start == 0
+        if fresh or L == 1:  # decode reads the tail itself; a fresh chunk reads its raw keys
+            window = (None, None)
+        window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
+        self.chunk = Chunk(keys, values, fresh=fresh, start=start, window_start=window_start,
+                           window_k=window[0], window_v=window[1])
         self.offset += L
         return self, self
 
-    def _append_tail(self, k_new: mx.array, v_new: mx.array) -> None:
+    def _append_tail(self, k_new: mx.array, v_new: mx.array) -> tuple[mx.array, mx.array]:
+        """Add rotated tokens after the tail, committing every full tile; returns the tail as it
+        was followed by the new tokens (the window a later chunk's tokens attend to in float16)."""
         G = self.layout.tile_size
         k_all = mx.concatenate([self.tail_k[..., : self.tail_len, :], k_new], axis=2)
         v_all = mx.concatenate([self.tail_v[..., : self.tail_len, :], v_new], axis=2)
@@ -107,6 +136,7 @@ class KVarNKVCache(_BaseCache):
             self.tail_k = _write(self.tail_k, k_all[..., num_full * G:, :], 0)
             self.tail_v = _write(self.tail_v, v_all[..., num_full * G:, :], 0)
         self.tail_len = rest
+        return k_all, v_all
 
     def commit(self, tiles: RecordArrays, num_tiles: int) -> None:
         self.records.append(tiles, num_tiles)
@@ -129,25 +159,68 @@ class KVarNKVCache(_BaseCache):
             raise ValueError(f"a row of {self.offset} tokens ({self.records.num_tiles} records) has no {count} "
                              "whole blocks")
         out = [Block(0, "sink", (self.sink_k, self.sink_v))] if count else []
-        for i in range(1, count):
+        return out + self.record_blocks(1, count, copy=False)
+
+    def record_blocks(self, start: int, stop: int, copy: bool = True) -> list[Block]:
+        """Blocks ``[start, stop)`` (``start >= 1``) as records. With ``copy`` each block gets
+        arrays of its own: a slice of the row's records is a view that would keep the row's whole
+        record buffer alive, so a cache that holds blocks past the row's end copies them."""
+        if start < 1 or stop - 1 > self.records.num_tiles:
+            raise ValueError(f"records {start - 1}..{stop - 2} of {self.records.num_tiles}")
+        out = []
+        for i in range(start, stop):
             record = self.records.tile(i - 1)
-            out.append(Block(i, "record", tuple(getattr(record, name) for name in RecordArrays.__dataclass_fields__)))
+            arrays = tuple(getattr(record, name) for name in RecordArrays.__dataclass_fields__)
+            out.append(Block(i, "record", tuple(mx.array(a) for a in arrays) if copy else arrays))
         return out
+
+    def fresh_blocks(self, start: int, stop: int) -> list[Block]:
+        """Blocks ``[start, stop)`` as "fresh" blocks, from the fresh chunk that just ran (the
+        latest update must be the row's fresh chunk and cover them). Copies, as above."""
+        G = self.layout.tile_size
+        chunk = self.chunk
+        if chunk is None or not chunk.fresh or stop * G > chunk.keys.shape[2]:
+            raise ValueError("fresh blocks come from the fresh chunk that just ran, within its tokens")
+        return [Block(i, "fresh", (mx.array(chunk.keys[..., i * G:(i + 1) * G, :]),
+                                   mx.array(chunk.values[..., i * G:(i + 1) * G, :]))) for i in range(start, stop)]
 
     @classmethod
     def from_blocks(cls, layout: KVLayout, blocks: list[Block]) -> KVarNKVCache:
         """A row holding exactly ``blocks`` (``len(blocks) * G`` tokens, empty tail): what the
-        original row held at that token, byte for byte, without re-quantizing."""
-        if not blocks or [b.index for b in blocks] != list(range(len(blocks))) or blocks[0].kind != "sink" \
-                or any(b.kind != "record" for b in blocks[1:]):
-            raise ValueError("blocks must be the sink then records 0, 1, ... in order")
+        original row held at that token, byte for byte, without re-quantizing records.
+
+        ``blocks`` are blocks 0, 1, ... in order: the sink then records, or a run of "fresh"
+        blocks then records. Fresh blocks followed by records are written as the fresh chunk
+        wrote them (rotated into the sink, quantized into records: the same bytes, as a record
+        depends only on its own tile). Fresh blocks alone stay raw (``pending``): the row's next
+        update prepends them, so a restored prompt continues the fresh chunk in full precision
+        exactly as a run without the cache does."""
+        kinds = [b.kind for b in blocks]
+        fresh = kinds.count("fresh")
+        lead = max(fresh, 1)  # the fresh run, or the sink
+        if not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
+                or kinds[:lead] != (["fresh"] * fresh if fresh else ["sink"]) \
+                or any(kind != "record" for kind in kinds[lead:]):
+            raise ValueError("blocks must be the sink (or fresh blocks) then records, in order from block 0")
         cache = cls(layout)
-        cache.sink_k, cache.sink_v = blocks[0].arrays
-        cache.tail_k, cache.tail_v = mx.zeros_like(cache.sink_k), mx.zeros_like(cache.sink_v)
-        if len(blocks) > 1:  # one concatenation per field for all the records
-            fields = {name: mx.concatenate([b.arrays[j] for b in blocks[1:]], axis=TILE_AXIS[name])
+        if fresh:
+            keys = mx.concatenate([b.arrays[0] for b in blocks[:fresh]], axis=2)
+            values = mx.concatenate([b.arrays[1] for b in blocks[:fresh]], axis=2)
+            if fresh == len(blocks):
+                cache.pending = (keys, values)
+                cache.offset = keys.shape[2]
+                return cache
+            cache.update_and_fetch(keys, values)
+            cache.chunk = None
+        else:
+            cache.sink_k, cache.sink_v = blocks[0].arrays
+            cache.tail_k, cache.tail_v = mx.zeros_like(cache.sink_k), mx.zeros_like(cache.sink_v)
+            cache.offset = layout.tile_size
+        records = blocks[lead:]
+        if records:  # one concatenation per field for all the records
+            fields = {name: mx.concatenate([b.arrays[j] for b in records], axis=TILE_AXIS[name])
                       for j, name in enumerate(RecordArrays.__dataclass_fields__)}
-            cache.records.append(RecordArrays(**fields), len(blocks) - 1)
+            cache.records.append(RecordArrays(**fields), len(records))
         cache.offset = len(blocks) * layout.tile_size
         return cache
 
@@ -179,6 +252,8 @@ class KVarNKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
+        if self.pending is not None:
+            return sum(a.nbytes for a in self.pending)
         if self.sink_k is None:
             return 0
         buffers = sum(a.nbytes for a in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
@@ -186,6 +261,8 @@ class KVarNKVCache(_BaseCache):
 
     @property
     def state(self) -> list[mx.array]:
+        if self.pending is not None:
+            raise ValueError("a restored row holds its fresh blocks raw until its next update: no state yet")
         if self.sink_k is None:
             return []
         view = self.records.view()
@@ -220,6 +297,7 @@ class KVarNKVCache(_BaseCache):
         if getattr(self, "records", None) is not None:
             self.records.layout = self.layout
         self.chunk = None
+        self.pending = None
 
     @classmethod
     def from_state(cls, state: list[mx.array], meta_state: tuple[str, ...]) -> KVarNKVCache:
