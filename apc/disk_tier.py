@@ -115,7 +115,8 @@ class DiskTier:
         self.enabled = True
         self._lock = threading.Lock()
         self._index: dict[bytes, tuple[int, float]] = {}  # key -> (bytes, last use)
-        self._queue: queue.Queue[tuple[bytes, bytes] | threading.Event | None] = queue.Queue()
+        self._lengths: dict[bytes, int] = {}  # key -> how many tokens the file is for
+        self._queue: queue.Queue[tuple[bytes, int, bytes] | threading.Event | None] = queue.Queue()
         try:
             self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.folder, 0o700)
@@ -139,6 +140,7 @@ class DiskTier:
                 self._remove_bad(path)
                 continue
             self._index[key] = (stat.st_size, stat.st_mtime)
+            self._lengths[key] = len(header.get("tokens", ()))
         for tmp in self.folder.glob("*.tmp"):  # a write cut short by a crash
             self._remove_bad(tmp)
         self.stats.bytes = sum(size for size, _ in self._index.values())
@@ -176,7 +178,27 @@ class DiskTier:
         with self._lock:
             if not self.enabled or key in self._index:
                 return
-        self._queue.put((key, encode(self.stamp, key, tokens, parts)))
+        self._queue.put((key, len(tokens), encode(self.stamp, key, tokens, parts)))
+
+    def lengths(self) -> set[int]:
+        """The token counts the files are for (the checkpoint tier looks snapshots up by length)."""
+        with self._lock:
+            return set(self._lengths.values())
+
+    def clear(self) -> int:
+        """Remove every file (after the queued writes); returns the bytes released."""
+        self.flush()
+        with self._lock:
+            keys, released = list(self._index), self.stats.bytes
+            self._index.clear()
+            self._lengths.clear()
+            self.stats.bytes = 0
+        for key in keys:
+            try:
+                self._path(key).unlink(missing_ok=True)
+            except OSError:
+                pass
+        return released
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued write is done (tests, shutdown)."""
@@ -195,7 +217,10 @@ class DiskTier:
             elif self.enabled:
                 self._write(*item)
 
-    def _write(self, key: bytes, blob: bytes) -> None:
+    def _write(self, key: bytes, length: int, blob: bytes) -> None:
+        with self._lock:
+            if key in self._index:  # queued twice before its first write landed
+                return
         if len(blob) > self.cap_bytes:
             return
         path = self._path(key)
@@ -218,6 +243,7 @@ class DiskTier:
             return
         with self._lock:
             self._index[key] = (len(blob), _touch(path))
+            self._lengths[key] = length
             self.stats.bytes += len(blob)
         self.stats.writes += 1
 
@@ -228,6 +254,7 @@ class DiskTier:
                     return
                 victim = min(self._index, key=lambda k: self._index[k][1])
                 size, _ = self._index.pop(victim)
+                self._lengths.pop(victim, None)
                 self.stats.bytes -= size
             self._path(victim).unlink(missing_ok=True)
             self.stats.evicted += 1
@@ -241,6 +268,7 @@ class DiskTier:
         with self._lock:
             if key is not None and key in self._index:
                 self.stats.bytes -= self._index.pop(key)[0]
+                self._lengths.pop(key, None)
         try:
             path.unlink(missing_ok=True)
         except OSError:

@@ -10,11 +10,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from engine.kv_config import KVConfig
+from apc.prefix_cache import PrefixCache
+from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner
 from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
 from engine.output import OutputState, advance, new_detokenizer
+from engine.prefix import PrefixReuse, Restore, exact_tier_possible
 from engine.request import FinishReason, Request, RequestId, RequestOutput
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
@@ -35,15 +37,19 @@ def make_layout(kv: KVConfig, loaded: LoadedModel) -> KVLayout:
                     group_size=kv.group_size, storage_dtype=loaded.compute_dtype)
 
 
-def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: KVConfig | None = None) -> Engine:
-    """An engine running ``loaded`` with the KV layout ``kv`` (KVarN k4v2 by default).
+def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: KVConfig | None = None,
+                apc: ApcConfig | None = None) -> Engine:
+    """An engine running ``loaded`` with the KV layout ``kv`` (KVarN k4v2 by default) and the
+    prefix cache ``apc`` (on by default, memory only).
 
     Fails at once, not at the first request, if the layout cannot run on this model: the
     attention seam is installed (every layout routes through it: KVarN rows, batches of rows,
     affine where MLX lacks its kernels) and one token is run through a fresh cache. A KV budget
-    left unset (``config.kv_budget_bytes`` None) is derived from the machine's memory."""
+    left unset (``config.kv_budget_bytes`` None) is derived from the machine's memory; the
+    prefix cache's memory tier is carved out of it."""
     layout = make_layout(kv or KVConfig(), loaded)
     config = config or SchedulerConfig()
+    apc = apc or ApcConfig()
     install_attention_seam(loaded.model)
     probe = make_cache(loaded.model, layout, capacity=1)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
@@ -52,7 +58,35 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
         weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
         budget = default_budget_bytes(machine_memory_bytes(mx.device_info()), weights)
         config = replace(config, kv_budget_bytes=budget)
-    return Engine(loaded, layout, config, pricing, batch_decode=can_batch_decode(loaded, layout))
+    prefix = None
+    if apc.enabled:
+        apc_bytes = apc.memory_bytes if apc.memory_bytes is not None else config.kv_budget_bytes // 4
+        if apc_bytes > config.kv_budget_bytes:
+            raise ValueError(f"the prefix cache's memory ({apc_bytes:,} bytes) is carved out of the KV budget "
+                             f"({config.kv_budget_bytes:,} bytes) and cannot exceed it")
+        config = replace(config, kv_budget_bytes=config.kv_budget_bytes - apc_bytes)
+        prefix = make_prefix_reuse(loaded, layout, config, apc, apc_bytes, probe)
+    return Engine(loaded, layout, config, pricing, batch_decode=can_batch_decode(loaded, layout), prefix=prefix)
+
+
+def make_prefix_reuse(loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig, apc: ApcConfig,
+                      memory_bytes: int, probe: list) -> PrefixReuse:
+    """The exact tier where every layer takes the layout (blocks of G tokens), else the
+    checkpoint tier (whole-row snapshots). The keys' stamp names the layout, the model and,
+    for KVarN, the prefill chunk size (where the full-precision first chunk ends)."""
+    G = layout.tile_size
+    if layout.scheme == "kvarn" and config.prefill_chunk_size % G:
+        raise ValueError(f"with the prefix cache on, the prefill chunk size ({config.prefill_chunk_size}) must be a "
+                         f"multiple of the KVarN tile ({G}): blocks may not straddle the full-precision first chunk")
+    tier = "exact" if exact_tier_possible(probe) else "checkpoint"
+    stamp = layout.stamp(loaded.fingerprint)
+    if layout.scheme == "kvarn":
+        stamp = f"{stamp}-c{config.prefill_chunk_size}"
+    cache = PrefixCache(stamp, loaded.fingerprint, G, memory_bytes, apc.disk_dir, apc.disk_bytes, tier=tier)
+    logger.info("prefix cache: %s tier, %s bytes in memory (carved from the KV budget)%s", tier,
+                f"{memory_bytes:,}", f", disk {apc.disk_dir} up to {apc.disk_bytes:,} bytes" if apc.disk_dir else "")
+    return PrefixReuse(cache, layout, config.prefill_chunk_size,
+                       lambda capacity: make_cache(loaded.model, layout, capacity))
 
 
 def make_pricing(loaded: LoadedModel, layout: KVLayout, prefill_chunk: int) -> Pricing:
@@ -101,14 +135,21 @@ class Engine:
     output with ``finish_reason`` set, after which the engine holds nothing of it."""
 
     def __init__(self, loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig | None = None,
-                 pricing: Pricing | None = None, batch_decode: bool = True) -> None:
+                 pricing: Pricing | None = None, batch_decode: bool = True, prefix: PrefixReuse | None = None) -> None:
         self.loaded = loaded
         self.layout = layout
         self.pricing = pricing or make_pricing(loaded, layout, (config or SchedulerConfig()).prefill_chunk_size)
-        self.scheduler = Scheduler(config or SchedulerConfig(), self._price)
-        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity)
+        self.prefix = prefix
+        self.scheduler = Scheduler(config or SchedulerConfig(), self._price,
+                                   lookup=self._lookup if prefix is not None else None)
+        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
+                                  restore=self._make_row if prefix is not None else None)
+        # rows that cannot be cut at blocks (sliding windows, recurrent state) end prompt chunks
+        # where the checkpoint tier snapshots them, with or without the cache (same numbers)
+        self.cuts_for_snapshots = not exact_tier_possible(make_cache(loaded.model, layout))
         self.requests: dict[RequestId, Request] = {}
         self._outputs: dict[RequestId, OutputState] = {}
+        self._restores: dict[RequestId, Restore] = {}
         self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
 
     def _price(self, request: Request, n: int) -> Reservation:
@@ -116,6 +157,53 @@ class Engine:
 
     def _capacity(self, request: Request) -> int:
         return self.pricing.reserved_tokens(request.num_prompt_tokens, request.params.max_tokens)
+
+    # --- prefix cache ---
+    def _lookup(self, request: Request) -> int:
+        """At admission: the longest cached prefix (kept until the runner makes the row)."""
+        try:
+            restore = self.prefix.lookup(request)
+        except Exception:  # a cache failure is a miss, never a failed request
+            logger.exception("prefix cache lookup failed")
+            return 0
+        if restore is None:
+            return 0
+        self._restores[request.request_id] = restore
+        return restore.tokens
+
+    def _make_row(self, request: Request) -> list | None:
+        restore = self._restores.pop(request.request_id, None)
+        if restore is None:
+            return None
+        return self.prefix.make_row(restore, self._capacity(request))
+
+    def close(self) -> None:
+        """Finish the prefix cache's disk writes (shutdown)."""
+        if self.prefix is not None:
+            self.prefix.cache.close()
+
+    def prefix_cache_stats(self) -> dict[str, object]:
+        if self.prefix is None:
+            return {"enabled": False}
+        return self.prefix.cache.describe()
+
+    def reset_prefix_cache(self) -> dict[str, object]:
+        if self.prefix is None:
+            return {"enabled": False, "memory_bytes": 0, "disk_bytes": 0}
+        return {"enabled": True, **self.prefix.cache.reset()}
+
+    def prefix_cache_counters(self) -> dict[str, int]:
+        """Counters and sizes for the server's metrics (zeros with the cache off)."""
+        if self.prefix is None:
+            return {}
+        c = self.prefix.cache
+        disk = c.disk.stats if c.disk is not None else None
+        return {"apc_lookups": c.stats.lookups, "apc_query_tokens": c.stats.query_tokens,
+                "apc_hit_tokens": c.stats.hit_tokens, "apc_inserted_blocks": c.memory.stats.inserted,
+                "apc_evicted_blocks": c.memory.stats.evicted + c.checkpoints.evicted,
+                "apc_memory_bytes": c.memory_bytes, "apc_memory_budget_bytes": c.memory.budget_bytes,
+                "apc_disk_bytes": disk.bytes if disk else 0,
+                "apc_disk_errors": (disk.bad_files + disk.write_errors) if disk else 0}
 
     @property
     def kv_budget_bytes(self) -> int | None:
@@ -139,7 +227,14 @@ class Engine:
             raise RequestTooLarge(f"this request needs {need:,} bytes of KV cache (prompt {request.num_prompt_tokens} "
                                   f"+ max_tokens {request.params.max_tokens}, n={len(group)}) but the whole "
                                   f"KV budget is {self.kv_budget_bytes:,} bytes; reduce max_tokens, the prompt or n")
+        points = ()  # where chunks end for whole-row snapshots (checkpoint-tier models only)
+        if self.cuts_for_snapshots:
+            # the system prompt's end, and the prompt's last token but one (a repeat of this
+            # prompt, or any prompt extending it, restores all but its last token)
+            last = request.num_prompt_tokens - 1
+            points = tuple(sorted({p for p in request.snapshot_at if 0 < p < last} | ({last} if last > 0 else set())))
         for member in group:
+            member.snapshot_at = points
             self.requests[member.request_id] = member
             self._outputs[member.request_id] = OutputState(new_detokenizer(self.loaded.tokenizer), member.params.stop)
         self.scheduler.add(request)
@@ -168,7 +263,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.plan()
         result = self.runner.run(plan, self.requests)
-        return self.update(plan, result)
+        outputs = self.update(plan, result)
+        if self.prefix is not None:  # cache what the step completed (after finishes: a finished row is gone)
+            self.prefix.after_step(plan, self.requests, self.runner.rows)
+        return outputs
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = []
@@ -186,7 +284,8 @@ class Engine:
             if delta.text or delta.token_ids or delta.finish_reason is not None:
                 outputs.append(RequestOutput(
                     request.request_id, delta.text, delta.token_ids, delta.logprobs,
-                    request.num_prompt_tokens, len(request.output_ids), delta.finish_reason, index=request.index))
+                    request.num_prompt_tokens, len(request.output_ids), delta.finish_reason, index=request.index,
+                    num_cached_tokens=request.num_cached_tokens))
         return outputs
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:
@@ -196,9 +295,13 @@ class Engine:
     def _final(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self._forget(request)
         return RequestOutput(request.request_id, "", (), (), request.num_prompt_tokens,
-                             len(request.output_ids), reason, error, index=request.index)
+                             len(request.output_ids), reason, error, index=request.index,
+                             num_cached_tokens=request.num_cached_tokens)
 
     def _forget(self, request: Request) -> None:
         self.runner.free((request.request_id,))
+        self._restores.pop(request.request_id, None)
+        if self.prefix is not None:
+            self.prefix.forget(request.request_id)
         self.requests.pop(request.request_id, None)
         self._outputs.pop(request.request_id, None)

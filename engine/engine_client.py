@@ -250,7 +250,7 @@ class EngineClient:
             from engine.loader import load_model
 
             loaded = load_model(self.config.model_path, self.config.dtype, self.config.model_id)
-            engine = make_engine(loaded, self.config.scheduler, self.config.kv)
+            engine = make_engine(loaded, self.config.scheduler, self.config.kv, self.config.apc)
             self._tokenizer = loaded.tokenizer
             self._pricing, self._budget = engine.pricing, engine.kv_budget_bytes
             logger.info("KV layout %s; KV budget %s bytes (%.1f MiB); a full-context sequence costs %s bytes",
@@ -264,10 +264,13 @@ class EngineClient:
             self.ready.set()
             return
         self.ready.set()
-        while not self._stop.is_set():
-            self._run_commands(engine, block=not engine.has_work())
-            if engine.has_work():
-                self._step(engine)
+        try:
+            while not self._stop.is_set():
+                self._run_commands(engine, block=not engine.has_work())
+                if engine.has_work():
+                    self._step(engine)
+        finally:
+            engine.close()  # the prefix cache's queued disk writes land before the process ends
 
     def _run_commands(self, engine: Any, block: bool) -> None:
         try:
@@ -295,7 +298,8 @@ class EngineClient:
 
     def _update_stats(self, engine: Any) -> None:
         stats = {"running": engine.num_running, "waiting": engine.num_waiting,
-                 "kv_bytes": engine.runner.kv_nbytes(), "reserved_bytes": engine.scheduler.reserved_bytes}
+                 "kv_bytes": engine.runner.kv_nbytes(), "reserved_bytes": engine.scheduler.reserved_bytes,
+                 **engine.prefix_cache_counters()}
         with self._lock:
             self._stats = stats
 

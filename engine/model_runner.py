@@ -76,14 +76,16 @@ class DecodeBatch:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
-                 capacity: Any = None) -> None:
+                 capacity: Any = None, restore: Any = None) -> None:
         """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
-        once); ``batch_decode`` False runs each decoding row alone (models whose caches cannot
+        once); ``restore(request)`` a row rebuilt from the prefix cache, or None for a fresh
+        one; ``batch_decode`` False runs each decoding row alone (models whose caches cannot
         be batched, e.g. recurrent layers)."""
         self.loaded = loaded
         self.layout = layout
         self.batch_decode = batch_decode
         self.capacity = capacity
+        self.restore = restore
         self.rows: dict[RequestId, Row] = {}
         self.batch = DecodeBatch()
 
@@ -153,8 +155,9 @@ class ModelRunner:
 
     def _new_row(self, request: Request) -> Row:
         capacity = self.capacity(request) if self.capacity is not None else None
+        restored = self.restore(request) if self.restore is not None else None
         row = Row(
-            cache=make_cache(self.loaded.model, self.layout, capacity),
+            cache=restored if restored is not None else make_cache(self.loaded.model, self.layout, capacity),
             sampler=make_sampler_state(request.params, self.loaded.vocab_size),
             params=request.params,
         )

@@ -77,6 +77,7 @@ class Request:
     cache_salt: str | None = None  # the prefix cache serves only blocks cached under the same salt
     snapshot_at: tuple[int, ...] = ()  # prompt lengths worth a whole-row snapshot (checkpoint tier)
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    looked_up: bool = False  # the prefix cache was asked (once, at admission)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,7 +6,8 @@ newly admitted waiting requests (FIFO). A long prompt therefore never stalls run
 for more than one chunk.
 
 Chunk boundaries are fixed: chunk i of a prompt is always tokens [i*C, (i+1)*C) whatever else
-runs in the step; a chunk that does not fit in the step's remaining budget waits for the next
+runs in the step (a prompt restored from the prefix cache at token h starts with [h, next
+multiple of C)); a chunk that does not fit in the step's remaining budget waits for the next
 step instead of being cut. With a quantized cache the prefill's numbers depend on where chunks
 end (a fresh prompt's first chunk attends in full precision, later ones over the records), so
 fixed boundaries make a request compute the same alone and in any batch. The config guarantees
@@ -33,6 +34,7 @@ from engine.request import FinishReason, Request, RequestId, RequestStatus
 from engine.step_types import PrefillChunk, StepPlan, StepResult
 
 PriceFn = Callable[[Request, int], Reservation]  # (request, number of choices) -> reservation
+LookupFn = Callable[[Request], int]  # request -> prompt tokens restored from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,10 @@ class Scheduler:
     running requests and never exceeds the budget.
     """
 
-    def __init__(self, config: SchedulerConfig, price: PriceFn | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, price: PriceFn | None = None, lookup: LookupFn | None = None) -> None:
         self.config = config
         self.price = price
+        self.lookup = lookup
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.forks: dict[RequestId, list[Request]] = {}
@@ -153,8 +156,13 @@ class Scheduler:
             if len(self.running) + n > self.config.max_num_seqs and self.running:
                 break
             reservation = self.reservation(request, n)
+            if not self._fits(reservation):
+                break
+            if self.lookup is not None and not request.looked_up:  # once, when it could run now
+                request.looked_up = True
+                request.num_cached_tokens = request.num_computed_tokens = self.lookup(request)
             chunk = self._chunk(request)
-            if chunk.num_tokens > budget or not self._fits(reservation):
+            if chunk.num_tokens > budget:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -166,8 +174,12 @@ class Scheduler:
         return StepPlan(prefills=tuple(prefills), decodes=decodes, freed=freed)
 
     def _chunk(self, request: Request) -> PrefillChunk:
-        start = request.num_computed_tokens
-        end = min(start + self.config.prefill_chunk_size, request.num_prompt_tokens)
+        """Chunk ends are multiples of the chunk size from token 0 (a prompt restored from the
+        prefix cache at any block first finishes its chunk), and the prompt lengths in
+        ``snapshot_at`` (where the checkpoint tier keeps a whole-row snapshot)."""
+        start, C = request.num_computed_tokens, self.config.prefill_chunk_size
+        end = min((start // C + 1) * C, request.num_prompt_tokens,
+                  *(p for p in request.snapshot_at if p > start))
         is_last = end == request.num_prompt_tokens
         forks = tuple(f.request_id for f in self.forks.get(request.request_id, ())) if is_last else ()
         return PrefillChunk(request.request_id, start, end, is_last=is_last, forks=forks)
@@ -206,6 +218,7 @@ class Scheduler:
         for fork in forks:
             fork.status = RequestStatus.RUNNING
             fork.num_computed_tokens = chunk.end_idx
+            fork.num_cached_tokens = request.num_cached_tokens
             self.running.insert(position, fork)
             position += 1
             self.reservations[fork.request_id] = share
