@@ -62,7 +62,7 @@ def admitted(tokens: int, budget_mib: float, requests: int, arms: list[str]) -> 
     import numpy as np
 
     from engine.engine import make_engine
-    from engine.kv_config import KVConfig
+    from engine.kv_config import ApcConfig, KVConfig
     from engine.loader import load_model
     from engine.request import Request, RequestId, SamplingParams
     from engine.scheduler import SchedulerConfig
@@ -74,7 +74,8 @@ def admitted(tokens: int, budget_mib: float, requests: int, arms: list[str]) -> 
         args, _ = LAYOUTS[label]
         budget = int(budget_mib * 2**20)
         engine = make_engine(loaded, SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024,
-                                                     prefill_chunk_size=512, kv_budget_bytes=budget), KVConfig(*args))
+                                                     prefill_chunk_size=512, kv_budget_bytes=budget), KVConfig(*args),
+                             ApcConfig(enabled=False))  # the whole budget for rows
         for i in range(requests):
             engine.add_request(Request(RequestId(f"{i}"), rng.integers(16, 8000, tokens - _GENERATED).tolist(),
                                        SamplingParams(max_tokens=_GENERATED, temperature=0.0, ignore_eos=True)))

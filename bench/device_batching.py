@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.bench import run_concurrency_bench  # noqa: E402
 from engine.engine import make_engine  # noqa: E402
-from engine.kv_config import KVConfig  # noqa: E402
+from engine.kv_config import ApcConfig, KVConfig  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.request import Request, RequestId, SamplingParams  # noqa: E402
 from engine.scheduler import SchedulerConfig  # noqa: E402
@@ -36,7 +36,7 @@ def parity(loaded, kv: KVConfig) -> dict:
     prompts = [rng.integers(16, loaded.vocab_size, n).tolist() for n, _, _ in ARRIVALS]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=True) for _, m, _ in ARRIVALS]
     engine = make_engine(loaded, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=160, prefill_chunk_size=128),
-                         kv)
+                         kv, ApcConfig(enabled=False))
     alone = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
         r = Request(RequestId(f"a{i}"), p, sp)

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.engine import Engine, make_engine
-from engine.kv_config import KVConfig
+from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
 from engine.request import Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -86,7 +86,8 @@ def _timed_request(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[
 
 def run_bench(loaded: LoadedModel, config: BenchConfig, openblas: bool, kv: KVConfig | None = None,
               progress: Callable[[str], None] = lambda _: None) -> BenchReport:
-    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=1), kv)
+    # the prefix cache off: every timed prompt is computed (prefix reuse has its own bench, bench/apc.py)
+    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=1), kv, ApcConfig(enabled=False))
     rng = random.Random(config.seed)
     report = BenchReport(loaded.model_id, loaded.compute_dtype, engine.describe_kv(),
                          f"{mx.default_device()} ({platform.machine()})", openblas)
@@ -145,7 +146,7 @@ def run_concurrency_bench(loaded: LoadedModel, levels: tuple[int, ...], prompt_t
     batching, chunked prefill, admission), for each level."""
     engine = make_engine(loaded, SchedulerConfig(max_num_seqs=max(levels),
                                                  max_num_batched_tokens=max(1024, max(levels) + 512)),
-                         kv)
+                         kv, ApcConfig(enabled=False))
     rng = random.Random(0)
     report = BenchReport(loaded.model_id, loaded.compute_dtype, engine.describe_kv(),
                          f"{mx.default_device()} ({platform.machine()})", openblas)

@@ -59,7 +59,11 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
         budget = default_budget_bytes(machine_memory_bytes(mx.device_info()), weights)
         config = replace(config, kv_budget_bytes=budget)
     prefix = None
-    if apc.enabled:
+    if apc.enabled and layout.scheme == "kvarn" and config.prefill_chunk_size % layout.tile_size:
+        logger.warning("prefix cache off: the prefill chunk size (%d) is not a multiple of the KVarN tile (%d), so "
+                       "a block would straddle the end of the full-precision first chunk", config.prefill_chunk_size,
+                       layout.tile_size)
+    elif apc.enabled:
         apc_bytes = apc.memory_bytes if apc.memory_bytes is not None else config.kv_budget_bytes // 4
         if apc_bytes > config.kv_budget_bytes:
             raise ValueError(f"the prefix cache's memory ({apc_bytes:,} bytes) is carved out of the KV budget "
@@ -75,9 +79,6 @@ def make_prefix_reuse(loaded: LoadedModel, layout: KVLayout, config: SchedulerCo
     checkpoint tier (whole-row snapshots). The keys' stamp names the layout, the model and,
     for KVarN, the prefill chunk size (where the full-precision first chunk ends)."""
     G = layout.tile_size
-    if layout.scheme == "kvarn" and config.prefill_chunk_size % G:
-        raise ValueError(f"with the prefix cache on, the prefill chunk size ({config.prefill_chunk_size}) must be a "
-                         f"multiple of the KVarN tile ({G}): blocks may not straddle the full-precision first chunk")
     tier = "exact" if exact_tier_possible(probe) else "checkpoint"
     stamp = layout.stamp(loaded.fingerprint)
     if layout.scheme == "kvarn":

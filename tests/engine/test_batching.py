@@ -10,11 +10,13 @@ import pytest
 
 import engine.model_runner as model_runner
 from engine.engine import RequestTooLarge, make_engine, make_layout, make_pricing
-from engine.kv_config import KVConfig
+from engine.kv_config import ApcConfig, KVConfig
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
 from kvarn.baselines import cache_nbytes, make_cache
 from kvarn.batch import make_batch_cache
+
+NO_APC = ApcConfig(enabled=False)
 
 KV_ARMS = {"fp16": KVConfig("fp16"), "kvarn-k4v2": KVConfig("kvarn", 4, 2),
            "affine-4": KVConfig("affine", 4, 4)}
@@ -78,7 +80,7 @@ def test_rows_in_a_batch_match_their_runs_alone(loaded, arm, monkeypatch):
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m, _ in ARRIVALS]
     ids = prompts(loaded)
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=160, prefill_chunk_size=128)
-    engine = make_engine(loaded, config, KV_ARMS[arm])
+    engine = make_engine(loaded, config, KV_ARMS[arm], NO_APC)  # batch vs alone, nothing cached
     alone = {}
     for i, (prompt, p) in enumerate(zip(ids, params)):
         request = Request(RequestId(f"r{i}"), prompt, p)
@@ -105,7 +107,8 @@ def test_rows_in_a_batch_match_their_runs_alone(loaded, arm, monkeypatch):
 
 
 def test_forks_share_the_prompt_and_sample_their_own_choices(loaded):
-    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=128))
+    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=128),
+                         apc=NO_APC)  # the prompt is prefilled once per request, never restored
     prompt = prompts(loaded)[1]
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     single = Request(RequestId("one"), prompt, greedy)
@@ -188,7 +191,7 @@ def test_admission_keeps_reservations_within_the_budget_and_cancel_frees(loaded)
     one = pricing.reservation(200, 40).total
     budget = 2 * one + one // 2  # room for two requests of this size, not three
     engine = make_engine(loaded, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, prefill_chunk_size=128,
-                                                 kv_budget_bytes=budget))
+                                                 kv_budget_bytes=budget), apc=NO_APC)  # the whole budget for rows
     assert engine.kv_budget_bytes == budget
     rng = np.random.default_rng(2)
     requests = [Request(RequestId(f"b{i}"), rng.integers(16, 8000, 200).tolist(),
