@@ -258,6 +258,7 @@ class EngineClient:
                         f"{engine.pricing.sequence_bytes(loaded.context_length):,}")
             self.info = ModelInfo(loaded.model_id, loaded.context_length, loaded.fingerprint,
                                   loaded.compute_dtype, engine.describe_kv(), loaded.vocab_size)
+            self._update_stats(engine)  # gauges (budgets, prefix cache) are right before any request
         except BaseException as exc:  # reported through /health; the server stays up to say so
             logger.exception("model load failed")
             self.load_error = exc

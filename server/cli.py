@@ -63,9 +63,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-budget-bytes", type=_size, default=None, metavar="BYTES",
                        help="KV cache budget that admission works within (suffixes K/M/G/KiB/MiB/GiB; default: "
                             "half the machine's memory less the weights, printed at start); a request reserves "
-                            "the exact bytes of prompt + max_tokens")
+                            "the exact bytes of prompt + max_tokens; the prefix cache's memory tier "
+                            "(--apc-memory-bytes) is carved out of it")
     serve.add_argument("--max-queue", type=int, default=1024,
                        help="requests waiting for admission beyond this are refused with 429 and Retry-After")
+    apc = serve.add_argument_group(
+        "automatic prefix cache",
+        "Requests whose prompts share a prefix (a system prompt, a conversation so far, a document) reuse its "
+        "KV cache, in whole blocks of tokens, instead of computing it again; usage reports them as "
+        "prompt_tokens_details.cached_tokens. A request's cache_salt keeps its blocks to requests with the "
+        "same salt.")
+    apc.add_argument("--no-apc", action="store_true",
+                     help="turn the prefix cache off: every prompt is computed in full and the whole KV budget "
+                          "goes to running requests")
+    apc.add_argument("--apc-memory-bytes", type=_size, default=None, metavar="BYTES",
+                     help="bytes of the memory tier (suffixes as --kv-budget-bytes); carved out of the KV "
+                          "budget, not added to it (default: a quarter of the KV budget)")
+    apc.add_argument("--apc-disk-dir", default=None, metavar="DIR",
+                     help="also keep cached blocks on disk in DIR (one file per block, owner-only, checked on "
+                          "every read): the disk tier survives restarts, so a restarted server serves prefixes "
+                          "it cached before (default: memory tier only)")
+    apc.add_argument("--apc-disk-bytes", type=_size, default=None, metavar="BYTES",
+                     help="byte cap of the disk tier in --apc-disk-dir, least recently used blocks removed "
+                          "beyond it (default: 4GiB)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     run = sub.add_parser("run", help="generate once and stream the text to the terminal",
@@ -145,11 +165,30 @@ def _kv_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after 
     return KVConfig(args.kv_scheme, key_bits, value_bits, args.kv_tile, args.kv_group_size)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported after the re-exec)
+    from engine import ApcConfig
 
+    given = [flag for flag, value in (("--apc-memory-bytes", args.apc_memory_bytes),
+                                      ("--apc-disk-dir", args.apc_disk_dir),
+                                      ("--apc-disk-bytes", args.apc_disk_bytes)) if value is not None]
+    if args.no_apc:
+        if given:
+            raise SystemExit(f"kvarn serve: --no-apc turns the prefix cache off; drop {', '.join(given)}")
+        return ApcConfig(enabled=False)
+    if args.apc_disk_bytes is not None and args.apc_disk_dir is None:
+        raise SystemExit("kvarn serve: --apc-disk-bytes caps the disk tier, which needs --apc-disk-dir")
+    if args.apc_disk_bytes is not None and args.apc_disk_bytes <= 0:
+        raise SystemExit("kvarn serve: --apc-disk-bytes must be > 0")
+    if args.apc_disk_dir is not None and not args.apc_disk_dir.strip():
+        raise SystemExit("kvarn serve: --apc-disk-dir must name a folder")
+    disk_dir = str(Path(args.apc_disk_dir).expanduser()) if args.apc_disk_dir is not None else None
+    if args.apc_disk_bytes is None:
+        return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir)
+    return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir, disk_bytes=args.apc_disk_bytes)
+
+
+def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     from engine import EngineConfig, SchedulerConfig
-    from server.app import create_app
     from server.config import ServerConfig
 
     try:
@@ -159,11 +198,19 @@ def _serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvarn serve: {exc}") from exc
     if args.max_queue < 0:
         raise SystemExit("kvarn serve: --max-queue must be >= 0")
-    config = ServerConfig(
+    return ServerConfig(
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
-                            scheduler, _kv_config(args), max_queue=args.max_queue),
+                            scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    config = _server_config(args)
     try:
         app = create_app(config)
     except ValueError as exc:
@@ -175,7 +222,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from engine import Request, RequestId, SamplingParams, load_model, make_engine
+    from engine import ApcConfig, Request, RequestId, SamplingParams, load_model, make_engine
 
     loaded = load_model(args.model, args.dtype)
     if args.raw:
@@ -189,7 +236,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvarn: the prompt ({len(prompt)} tokens) fills the context ({loaded.context_length})",
               file=sys.stderr)
         return 2
-    engine = make_engine(loaded, kv=_kv_config(args))
+    # one request in a process of its own: nothing could ever reuse its blocks
+    engine = make_engine(loaded, kv=_kv_config(args), apc=ApcConfig(enabled=False))
     engine.add_request(Request(RequestId("run"), prompt, SamplingParams(
         max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)))
     while engine.has_work():

@@ -2,11 +2,52 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# The prefix cache's own numbers, read from EngineClient.stats() at each scrape: counters the
+# engine keeps monotonic (exposed with a ``_total`` suffix) and gauges. A missing key reads 0.
+PREFIX_CACHE_COUNTERS = (
+    ("kvarn_prefix_cache_lookups", "apc_lookups", "Prefix cache lookups of prompts"),
+    ("kvarn_prefix_cache_query_tokens", "apc_query_tokens", "Prompt tokens looked up in the prefix cache"),
+    ("kvarn_prefix_cache_hit_tokens", "apc_hit_tokens", "Prompt tokens served from the prefix cache"),
+    ("kvarn_prefix_cache_inserted_blocks", "apc_inserted_blocks", "Blocks inserted into the prefix cache"),
+    ("kvarn_prefix_cache_evicted_blocks", "apc_evicted_blocks", "Blocks evicted from the prefix cache's memory "
+                                                                "tier to stay within its byte budget"),
+    ("kvarn_prefix_cache_disk_errors", "apc_disk_errors", "Disk tier errors (a bad or unreadable block file is a "
+                                                          "miss, removed and counted here)"),
+)
+PREFIX_CACHE_GAUGES = (
+    ("kvarn_prefix_cache_memory_bytes", "apc_memory_bytes", "Bytes held by the prefix cache's memory tier"),
+    ("kvarn_prefix_cache_memory_budget_bytes", "apc_memory_budget_bytes",
+     "The memory tier's byte budget (carved out of the KV budget)"),
+    ("kvarn_prefix_cache_disk_bytes", "apc_disk_bytes", "Bytes held by the prefix cache's disk tier"),
+)
+
+
+class PrefixCacheCollector(Collector):
+    """The prefix cache's counters and gauges, from one ``stats()`` call per scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families({})
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self._stats())
+
+    @staticmethod
+    def _families(stats: dict[str, int]) -> Iterator[Metric]:
+        for name, key, doc in PREFIX_CACHE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        for name, key, doc in PREFIX_CACHE_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
 
 
 class Metrics:
@@ -16,6 +57,8 @@ class Metrics:
         self.requests = Counter("kvarn_requests", "Finished requests by endpoint and finish reason",
                                 ["endpoint", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("kvarn_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.cached_prompt_tokens = Counter("kvarn_prompt_cached_tokens", "Prompt tokens of requests served from "
+                                            "the prefix cache (their usage's cached_tokens)", registry=r)
         self.generation_tokens = Counter("kvarn_generation_tokens", "Generated tokens", registry=r)
         self.ttft = Histogram("kvarn_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -29,3 +72,4 @@ class Metrics:
                                ("kvarn_kv_reserved_bytes", "reserved_bytes", "Bytes reserved by admitted requests"),
                                ("kvarn_kv_budget_bytes", "budget_bytes", "The KV budget admission works within")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))
+        r.register(PrefixCacheCollector(stats))

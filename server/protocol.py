@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_STOP_STRINGS = 16
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256
 
 
 class _Strict(BaseModel):
@@ -63,6 +64,9 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     ignore_eos: bool = False
+    # vLLM's extra field: the prefix cache serves this request only blocks cached under the same
+    # salt (tenants that must not share cached prefixes each send their own); "" is no salt
+    cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -90,6 +94,10 @@ class _Sampling(_Strict):
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def salt(self) -> str | None:
+        """The prefix cache salt handed to the engine (None: unsalted, also for "")."""
+        return self.cache_salt or None
 
 
 class ChatCompletionRequest(_Sampling):

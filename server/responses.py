@@ -27,6 +27,8 @@ class Job:
     echo_text: str = ""
     n: int = 1
     admission: Any = None  # the front door's engine.Admission, handed to EngineClient.generate
+    cache_salt: str | None = None  # the prefix cache serves only blocks cached under this salt
+    snapshot_at: tuple[int, ...] = ()  # prompt lengths worth a whole-row snapshot (end of the system prompt)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
@@ -44,9 +46,12 @@ def finish_name(reason: FinishReason | None) -> str | None:
     return _FINISH[reason] if reason is not None else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    served from the prefix cache (always present, 0 when none were)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], decode: Callable[[int], str]) -> dict[str, Any]:
@@ -86,9 +91,9 @@ def chunk(job: Job, text: str | None, finish: str | None, logprobs: dict[str, An
     return {**_header(job, "text_completion"), "choices": [choice]}
 
 
-def usage_chunk(job: Job, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(job: Job, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     name = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-    return {**_header(job, name), "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    return {**_header(job, name), "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 @dataclass
@@ -107,7 +112,7 @@ class Collected:
 
 def full_response(job: Job, choices: Sequence[Collected], decode: Callable[[int], str]) -> dict[str, Any]:
     """The body of a non-streamed response: one choice per ``Collected``, usage over all of them
-    (the prompt counted once, as OpenAI does for ``n > 1``)."""
+    (the prompt and its cached tokens counted once, as OpenAI does for ``n > 1``)."""
     bodies = []
     for index, collected in enumerate(choices):
         last = collected.last
@@ -124,5 +129,7 @@ def full_response(job: Job, choices: Sequence[Collected], decode: Callable[[int]
             bodies.append({"index": index, "text": job.echo_text + collected.text, "logprobs": lp,
                            "finish_reason": finish})
     prompt_tokens = choices[0].last.num_prompt_tokens if choices[0].last else len(job.prompt_ids)
+    cached_tokens = max((c.last.num_cached_tokens for c in choices if c.last is not None), default=0)
     completion_tokens = sum(c.last.num_output_tokens for c in choices if c.last is not None)
-    return {**_header(job, job.object_name), "choices": bodies, "usage": usage(prompt_tokens, completion_tokens)}
+    return {**_header(job, job.object_name), "choices": bodies,
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

@@ -1,4 +1,4 @@
-"""The HTTP routes: OpenAI's chat and completions, models, health and metrics."""
+"""The HTTP routes: OpenAI's chat and completions, models, the prefix cache, health and metrics."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 
-from engine import EngineClient, ModelInfo, RequestRejected
+from engine import EngineClient, EngineNotReady, ModelInfo, RequestRejected
 from server.errors import APIError, error_response
-from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params
+from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params, \
+    system_prompt_end
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Job
 from server.streaming import collect, stream_events
@@ -26,9 +27,13 @@ def _ready(request: Request) -> tuple[EngineClient, ModelInfo]:
     if client.load_error is not None:
         raise APIError(503, f"The model failed to load: {client.load_error}", code="model_load_failed")
     if not client.ready.is_set() or client.info is None:
-        raise APIError(503, "The model is still loading; retry shortly.", code="model_loading",
-                       headers={"Retry-After": "1"})
+        raise _loading()
     return client, client.info
+
+
+def _loading() -> APIError:
+    return APIError(503, "The model is still loading; retry shortly.", code="model_loading",
+                    headers={"Retry-After": "1"})
 
 
 @router.get("/health")
@@ -56,6 +61,27 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@router.get("/v1/cache/stats")
+async def cache_stats(request: Request) -> JSONResponse:
+    """The prefix cache's counters and sizes, as the engine reports them."""
+    client, _ = _ready(request)
+    try:
+        return JSONResponse(await client.cache_stats())
+    except EngineNotReady as exc:
+        raise _loading() from exc
+
+
+@router.post("/v1/cache/reset")
+async def cache_reset(request: Request) -> JSONResponse:
+    """Drop every cached block and snapshot, in memory and on disk; running requests go on."""
+    client, _ = _ready(request)
+    try:
+        released = await client.reset_cache()
+    except EngineNotReady as exc:
+        raise _loading() from exc
+    return JSONResponse({"object": "cache.reset", **released})
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     client, info = _ready(request)
@@ -66,7 +92,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=None, logprobs=body.logprobs,
                              top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
     return await _respond(Job("chat", info.model_id, prompt_ids, params, _fingerprint(info),
-                              include_usage=_include_usage(body), n=body.n), body.stream, request)
+                              include_usage=_include_usage(body), n=body.n, cache_salt=body.salt(),
+                              snapshot_at=system_prompt_end(body, prompt_ids, client)), body.stream, request)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -82,7 +109,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.echo and not echo:
         echo = "".join(client.decode_token(t) for t in prompt_ids)
     return await _respond(Job("completion", info.model_id, prompt_ids, params, _fingerprint(info),
-                              include_usage=_include_usage(body), echo_text=echo, n=body.n), body.stream, request)
+                              include_usage=_include_usage(body), echo_text=echo, n=body.n,
+                              cache_salt=body.salt()), body.stream, request)
 
 
 async def _respond(job: Job, stream: bool, request: Request) -> Any:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from engine import EngineClient, FinishReason, RequestRejected
+from engine import EngineClient, FinishReason, RequestOutput, RequestRejected
 from server.errors import APIError, ClientDisconnected, error_body
 from server.metrics import Metrics
 from server.responses import Collected, Job, chat_logprobs, chunk, completion_logprobs, finish_name, \
@@ -27,10 +27,16 @@ T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.1
 
 
-def _observe(job: Job, metrics: Metrics, finish: FinishReason | None, num_tokens: int) -> None:
+def _observe(job: Job, metrics: Metrics, finish: FinishReason | None, num_tokens: int, cached_tokens: int) -> None:
     metrics.requests.labels(job.kind, finish_name(finish) or "disconnect").inc()
     metrics.generation_tokens.inc(num_tokens)
+    metrics.cached_prompt_tokens.inc(cached_tokens)
     metrics.latency.observe(time.monotonic() - job.arrival)
+
+
+def _generate(job: Job, client: EngineClient) -> AsyncIterator[RequestOutput]:
+    return client.generate(job.prompt_ids, job.params, job.request_id, n=job.n, admission=job.admission,
+                           cache_salt=job.cache_salt, snapshot_at=job.snapshot_at)
 
 
 async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> AsyncIterator[dict[str, str]]:
@@ -39,6 +45,7 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
     metrics.prompt_tokens.inc(len(job.prompt_ids))
     offsets = [len(job.echo_text)] * job.n
     tokens = [0] * job.n
+    cached = 0  # the prompt's tokens served from the prefix cache (the same on every output)
     finishes: list[FinishReason | None] = [None] * job.n
     try:
         for index in range(job.n):
@@ -46,12 +53,12 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
                 yield _event(chunk(job, None, None, None, role=True, index=index))
             elif job.echo_text:
                 yield _event(chunk(job, job.echo_text, None, None, index=index))
-        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n,
-                                            admission=job.admission):
+        async for output in _generate(job, client):
             i = output.index
             if sum(tokens) == 0 and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
             tokens[i], finishes[i] = output.num_output_tokens, output.finish_reason
+            cached = max(cached, output.num_cached_tokens)
             if output.error is not None:
                 yield _event(error_body(500, output.error, code="generation_failed"))
                 break
@@ -64,13 +71,13 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
                 yield _event(chunk(job, output.text, finish_name(output.finish_reason), logprobs, index=i))
         else:
             if job.include_usage:
-                yield _event(usage_chunk(job, len(job.prompt_ids), sum(tokens)))
+                yield _event(usage_chunk(job, len(job.prompt_ids), sum(tokens), cached))
         yield {"data": "[DONE]"}
     except RequestRejected as exc:  # only without a front-door admission (the routes always take one)
         metrics.rejected.labels(str(exc.status)).inc()
         yield _event(error_body(exc.status, exc.message, code=exc.code))
     finally:
-        _observe(job, metrics, _overall(finishes), sum(tokens))
+        _observe(job, metrics, _overall(finishes), sum(tokens), cached)
 
 
 def _overall(finishes: list[FinishReason | None]) -> FinishReason | None:
@@ -90,8 +97,7 @@ async def collect(job: Job, client: EngineClient, metrics: Metrics, request: Req
 
     async def run() -> None:
         first = True
-        async for output in client.generate(job.prompt_ids, job.params, job.request_id, n=job.n,
-                                            admission=job.admission):
+        async for output in _generate(job, client):
             if first and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
                 first = False
@@ -106,7 +112,8 @@ async def collect(job: Job, client: EngineClient, metrics: Metrics, request: Req
     finally:
         lasts = [c.last for c in choices if c.last is not None]
         _observe(job, metrics, _overall([c.last.finish_reason if c.last else None for c in choices]),
-                 sum(last.num_output_tokens for last in lasts))
+                 sum(last.num_output_tokens for last in lasts),
+                 max((last.num_cached_tokens for last in lasts), default=0))
     errors = [c.last.error for c in choices if c.last is not None and c.last.error is not None]
     if errors:
         raise APIError(500, errors[0], code="generation_failed")

@@ -111,7 +111,8 @@ def budget(pair_prompt_tokens: int) -> int:
 
 @pytest.fixture(scope="module")
 def budget_server(tmp_path_factory: pytest.TempPathFactory, budget: int) -> Iterator[Server]:
-    with served(tmp_path_factory, "kvarn-budget", "--kv-budget-bytes", str(budget)) as srv:
+    # the prefix cache off: its memory tier would be carved out of this exact budget
+    with served(tmp_path_factory, "kvarn-budget", "--kv-budget-bytes", str(budget), "--no-apc") as srv:
         yield srv
 
 

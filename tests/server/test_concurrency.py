@@ -101,7 +101,8 @@ def parse_stream(path: str, payloads: list[str]) -> Answer:
     assert all("error" not in c for c in chunks), chunks
     assert len({c["id"] for c in chunks}) == 1
     *choice_chunks, last = chunks
-    assert last["choices"] == [] and set(last["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert last["choices"] == [] and set(last["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens",
+                                                            "prompt_tokens_details"}
     assert all("usage" not in c and len(c["choices"]) == 1 and c["choices"][0]["index"] == 0 for c in choice_chunks)
     choices = [c["choices"][0] for c in choice_chunks]
     finishes = [c["finish_reason"] for c in choices]

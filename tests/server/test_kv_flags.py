@@ -29,7 +29,8 @@ def test_layout_in_force_is_reported_and_serves(flags, expected, tmp_path: Path,
                     "ignore_eos": True}
             response = http.post("/v1/completions", json=body)
             assert response.status_code == 200
-            assert response.json()["usage"] == {"prompt_tokens": 300, "completion_tokens": 4, "total_tokens": 304}
+            assert response.json()["usage"] == {"prompt_tokens": 300, "completion_tokens": 4, "total_tokens": 304,
+                                                "prompt_tokens_details": {"cached_tokens": 0}}
     finally:
         if srv is not server:
             srv.stop()
