@@ -115,7 +115,7 @@ class PrefixReuse:
         for l, layer in enumerate(row):
             blocks = [Block(i, p.kind, p.arrays[l * _WIDTH[p.kind]: (l + 1) * _WIDTH[p.kind]])
                       for i, p in enumerate(restore.blocks)]
-            out.append(_restore_layer(layer, blocks, self.layout, capacity))
+            out.append(_restore_layer(layer, blocks, self.layout, capacity, self.chunk_size))
         return out
 
     # --- after a step ---
@@ -174,6 +174,8 @@ class PrefixReuse:
         if not progress.done:
             payloads += [self._layout_block(cache, i) for i in range(max(start, F), complete)]
         if payloads:
+            # evaluated now: a pending copy would keep its source (the row's whole buffer) alive
+            mx.eval([a for payload in payloads for a in payload.arrays])
             self.cache.insert(progress.keys, start, payloads)
         progress.next_block = start + len(payloads)
 
@@ -212,6 +214,7 @@ class PrefixReuse:
             return
         payload = save_snapshot(cache)
         if payload is not None:
+            mx.eval(list(payload.arrays))
             self.cache.put_snapshot(request.prompt_ids[:end], self._snapshot_salt(request), payload)
 
 
@@ -227,9 +230,9 @@ def _join(kind: str, per_layer: Sequence[tuple[mx.array, ...]]) -> Payload:
     return Payload(kind, tuple(a for arrays in per_layer for a in arrays))
 
 
-def _restore_layer(layer: Any, blocks: list[Block], layout: KVLayout, capacity: int | None) -> Any:
-    if isinstance(layer, KVarNKVCache):
-        return KVarNKVCache.from_blocks(layout, blocks)
+def _restore_layer(layer: Any, blocks: list[Block], layout: KVLayout, capacity: int | None, chunk_size: int) -> Any:
+    if isinstance(layer, KVarNKVCache):  # inside the fresh chunk: it goes on in full precision
+        return KVarNKVCache.from_blocks(layout, blocks, continue_fresh=len(blocks) * layout.tile_size < chunk_size)
     if isinstance(layer, (FP16KVCache, AffineKVCache)):
         width = len(blocks[0].arrays) // 2
         legs = []

@@ -185,15 +185,16 @@ class KVarNKVCache(_BaseCache):
                                    mx.array(chunk.values[..., i * G:(i + 1) * G, :]))) for i in range(start, stop)]
 
     @classmethod
-    def from_blocks(cls, layout: KVLayout, blocks: list[Block]) -> KVarNKVCache:
+    def from_blocks(cls, layout: KVLayout, blocks: list[Block], continue_fresh: bool = False) -> KVarNKVCache:
         """A row holding exactly ``blocks`` (``len(blocks) * G`` tokens, empty tail): what the
         original row held at that token, byte for byte, without re-quantizing records.
 
         ``blocks`` are blocks 0, 1, ... in order: the sink then records, or a run of "fresh"
-        blocks then records. Fresh blocks followed by records are written as the fresh chunk
-        wrote them (rotated into the sink, quantized into records: the same bytes, as a record
-        depends only on its own tile). Fresh blocks alone stay raw (``pending``): the row's next
-        update prepends them, so a restored prompt continues the fresh chunk in full precision
+        blocks then records. Fresh blocks are written as the fresh chunk wrote them (rotated
+        into the sink, quantized into records: the same bytes, as a record depends only on its
+        own tile), unless ``continue_fresh`` (only fresh blocks, and the restored prompt's fresh
+        chunk goes on past them): then they stay raw (``pending``) and the row's next update
+        prepends them, so the restored prompt continues the fresh chunk in full precision
         exactly as a run without the cache does."""
         kinds = [b.kind for b in blocks]
         fresh = kinds.count("fresh")
@@ -206,7 +207,9 @@ class KVarNKVCache(_BaseCache):
         if fresh:
             keys = mx.concatenate([b.arrays[0] for b in blocks[:fresh]], axis=2)
             values = mx.concatenate([b.arrays[1] for b in blocks[:fresh]], axis=2)
-            if fresh == len(blocks):
+            if continue_fresh:
+                if fresh != len(blocks):
+                    raise ValueError("only a row of fresh blocks can continue its fresh chunk")
                 cache.pending = (keys, values)
                 cache.offset = keys.shape[2]
                 return cache

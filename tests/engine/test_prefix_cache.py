@@ -1,0 +1,412 @@
+"""The prefix cache through the real engine on the bundled model (exact tier) and on random-weight
+tiny models with sliding-window and recurrent layers (checkpoint tier).
+
+The contract (engine/prefix.py): a hit restores exactly what the row that made the blocks held,
+and the rest of the request computes what an engine without the cache computes, up to float
+rounding of differently shaped chunks. On the bundled model greedy output after a restore from
+memory or disk is identical to the output without the cache (fp16 and KVarN, every scenario
+here); on random tiny models a rounding difference can flip a quantization code of a tile both
+runs quantize, so those tests bound the logprob difference and allow divergence only at a
+near-tie. Hits are whole blocks of G = 128 tokens, never the block holding a prompt's last
+token; KVarN caches the fresh first chunk's blocks (tokens < C = 512) only from that chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import json
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine.engine import make_engine
+from engine.kv_config import ApcConfig, KVConfig
+from engine.loader import LoadedModel
+from engine.request import Request, RequestId, SamplingParams
+from engine.scheduler import SchedulerConfig
+
+G, C = 128, 512
+CONFIG = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, prefill_chunk_size=C, kv_budget_bytes=2**30)
+SCHEMES = {"fp16": KVConfig("fp16"), "kvarn": KVConfig("kvarn"), "affine": KVConfig("affine", 4, 4)}
+OFF = ApcConfig(enabled=False)
+
+
+@pytest.fixture(scope="module")
+def ids(loaded) -> list[int]:
+    """~5k tokens of the bundled prompt texts (no ../shared needed)."""
+    data = json.loads((Path(__file__).resolve().parents[2] / "engine/data/kld_prompts.json").read_text())
+    return loaded.tokenizer.encode(" ".join(p["text"] for p in data["prompts"]), add_special_tokens=False)
+
+
+def run(engine, prompt, max_tokens: int = 16, salt: str | None = None, rid: str | None = None,
+        snapshot_at: tuple[int, ...] = ()) -> tuple[list[int], int]:
+    """(greedy tokens, cached prompt tokens) of one request run to its end."""
+    rid = rid or f"r{random.random()}"
+    request = Request(RequestId(rid), list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                    ignore_eos=True),
+                      cache_salt=salt, snapshot_at=snapshot_at)
+    engine.add_request(request)
+    cached = None
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                cached = out.num_cached_tokens
+    return list(request.output_ids), cached
+
+
+@pytest.fixture(scope="module")
+def references(loaded):
+    """Engines without the cache, per scheme (outputs to compare against)."""
+    return {name: make_engine(loaded, CONFIG, kv, OFF) for name, kv in SCHEMES.items()}
+
+
+def cached_engine(loaded, scheme: str, **apc):
+    return make_engine(loaded, CONFIG, SCHEMES[scheme], ApcConfig(**apc))
+
+
+# --- exact hits, exact answers ---
+
+@pytest.mark.parametrize("scheme", ["fp16", "kvarn", "affine"])
+def test_a_repeated_prompt_restores_all_but_its_last_block_and_answers_the_same(loaded, ids, references, scheme):
+    engine = cached_engine(loaded, scheme)
+    prompt = ids[:700]
+    want, _ = run(references[scheme], prompt)
+    first, cached_first = run(engine, prompt)
+    second, cached_second = run(engine, prompt)
+    assert (cached_first, cached_second) == (0, (700 - 1) // G * G)
+    assert first == want and second == want
+    stats = engine.prefix_cache_stats()
+    assert stats["lookups"] == 2 and stats["hit_tokens"] == 640 and stats["query_tokens"] == 1400
+    # a prompt of exactly k blocks reuses k - 1 (its last token is always computed)
+    _, cached = run(engine, ids[:640])
+    assert cached == 512
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "kvarn"])
+def test_multi_turn_reuses_the_previous_prompt_and_its_generated_blocks(loaded, ids, references, scheme):
+    engine = cached_engine(loaded, scheme)
+    turn1 = ids[:600]
+    answer, _ = run(engine, turn1, max_tokens=100)
+    # fed tokens: 600 + 99 -> 5 whole blocks; block 4 (tokens 512..639) mixes prompt and answer
+    turn2 = turn1 + answer + ids[1000:1200]
+    want, _ = run(references[scheme], turn2, max_tokens=24)
+    got, cached = run(engine, turn2, max_tokens=24)
+    assert cached == 640 and got == want
+    # the third turn reuses the second's prompt and answer
+    turn3 = turn2 + got + ids[1300:1400]
+    want3, _ = run(references[scheme], turn3, max_tokens=8)
+    got3, cached3 = run(engine, turn3, max_tokens=8)
+    assert cached3 == (len(turn2) + 24 - 1) // G * G and got3 == want3
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "kvarn"])
+def test_siblings_share_a_system_prompt_inside_the_first_chunk(loaded, ids, references, scheme):
+    """300 shared tokens: both siblings reuse 2 blocks; for KVarN those are the fresh chunk's raw
+    keys, and the restored row continues that chunk in full precision like a run without cache."""
+    engine = cached_engine(loaded, scheme)
+    system = ids[:300]
+    outs = []
+    for k, tail in enumerate((ids[2000:2200], ids[2500:2650], ids[3000:3100])):
+        want, _ = run(references[scheme], system + tail)
+        got, cached = run(engine, system + tail)
+        outs.append(got)
+        assert got == want
+        assert cached == (0 if k == 0 else 256)
+
+
+def test_kvarn_caches_the_first_chunk_only_from_that_chunk(loaded, ids, references):
+    """After a 300-token prompt, tokens 300..511 were decoded (not part of a fresh chunk): a
+    longer prompt reuses the 2 fresh blocks only, where fp16 reuses every whole block."""
+    for scheme, expect in (("kvarn", 256), ("fp16", 384)):
+        engine = cached_engine(loaded, scheme)
+        answer, _ = run(engine, ids[:300], max_tokens=120)
+        longer = ids[:300] + answer + ids[900:1000]
+        want, _ = run(references[scheme], longer)
+        got, cached = run(engine, longer)
+        assert cached == expect and got == want
+
+
+def test_forks_report_the_cached_tokens(loaded, ids):
+    engine = cached_engine(loaded, "kvarn")
+    run(engine, ids[:400])
+    parent = Request(RequestId("p"), ids[:400], SamplingParams(max_tokens=4, temperature=0.0))
+    forks = tuple(Request(RequestId(f"p-{i}"), ids[:400], SamplingParams(max_tokens=4, temperature=0.0), index=i)
+                  for i in (1, 2))
+    engine.add_request(parent, forks)
+    finals = {}
+    while engine.has_work():
+        finals.update({o.request_id: o.num_cached_tokens for o in engine.step() if o.finished})
+    assert finals == {"p": 384, "p-1": 384, "p-2": 384}
+
+
+# --- isolation: salt, layout, model ---
+
+def test_no_hit_across_cache_salt(loaded, ids):
+    engine = cached_engine(loaded, "fp16")
+    prompt = ids[:400]
+    assert run(engine, prompt, salt="alice")[1] == 0
+    assert run(engine, prompt, salt="bob")[1] == 0
+    assert run(engine, prompt)[1] == 0  # no salt is a salt of its own
+    assert run(engine, prompt, salt="alice")[1] == 384
+    assert run(engine, prompt, salt="")[1] == 384  # "" is the same as no salt
+
+
+def test_no_hit_across_layouts_or_models_sharing_a_disk_folder(loaded, ids, tmp_path):
+    prompt = ids[:400]
+    layouts = [KVConfig("kvarn", 4, 2), KVConfig("kvarn", 4, 4), KVConfig("fp16"), KVConfig("affine", 4, 4),
+               KVConfig("kvarn", 4, 2, tile=64)]
+    for kv in layouts:
+        engine = make_engine(loaded, CONFIG, kv, ApcConfig(disk_dir=str(tmp_path)))
+        assert run(engine, prompt)[1] == 0, kv  # nothing another layout wrote is served
+        engine.close()
+    other_model = dataclasses.replace(loaded, fingerprint="another-model")
+    engine = make_engine(other_model, CONFIG, layouts[0], ApcConfig(disk_dir=str(tmp_path)))
+    assert run(engine, prompt)[1] == 0
+    engine.close()
+    # and the first layout does find its own blocks on disk
+    engine = make_engine(loaded, CONFIG, layouts[0], ApcConfig(disk_dir=str(tmp_path)))
+    assert run(engine, prompt)[1] == 384
+    engine.close()
+    # a different prefill chunk size changes where KVarN's full-precision chunk ends: other keys
+    engine = make_engine(loaded, dataclasses.replace(CONFIG, prefill_chunk_size=256), layouts[0],
+                         ApcConfig(disk_dir=str(tmp_path)))
+    assert run(engine, prompt)[1] == 0
+    engine.close()
+
+
+# --- disk tier ---
+
+@pytest.mark.parametrize("scheme", ["fp16", "kvarn"])
+def test_a_fresh_engine_serves_hits_from_disk(loaded, ids, references, scheme, tmp_path):
+    prompt = ids[:900]
+    want, _ = run(references[scheme], prompt)
+    first = cached_engine(loaded, scheme, disk_dir=str(tmp_path))
+    assert run(first, prompt) == (want, 0)
+    first.close()  # shutdown: queued writes land
+    second = cached_engine(loaded, scheme, disk_dir=str(tmp_path))
+    assert second.prefix_cache_stats()["memory"]["blocks"] == 0
+    assert second.prefix_cache_stats()["disk"]["files"] == 7
+    got, cached = run(second, prompt)
+    stats = second.prefix_cache_stats()
+    assert cached == 896 and got == want
+    assert stats["disk_hit_tokens"] == 896 and stats["memory"]["blocks"] == 7  # promoted to memory
+    second.close()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path: Path) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[-100] ^= 0x10  # inside the payload: only the checksum can tell
+    path.write_bytes(bytes(blob))
+
+
+def _wrong_stamp(path: Path) -> None:
+    blob = path.read_bytes()
+    stamp = path.parent.name
+    path.write_bytes(blob.replace(stamp.encode(), ("0" * len(stamp)).encode(), 1))
+
+
+def _half_written(path: Path) -> None:
+    """A crash mid-write: a temp file beside it, and the block itself missing."""
+    path.with_suffix(".tmp").write_bytes(path.read_bytes()[:1000])
+    path.unlink()
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _wrong_stamp, _half_written],
+                         ids=["truncated", "bit-flipped", "wrong-stamp", "half-written"])
+def test_bad_block_files_are_misses_that_never_change_an_answer(loaded, ids, references, damage, tmp_path):
+    prompt = ids[:900]
+    want, _ = run(references["kvarn"], prompt)
+    first = cached_engine(loaded, "kvarn", disk_dir=str(tmp_path))
+    run(first, prompt)
+    keys = first.prefix.cache.lookup(prompt, None)[0]
+    first.close()
+    folder = tmp_path / "blocks" / first.prefix.cache.stamp
+    victim = folder / (keys[4].hex + ".blk")
+    damage(victim)
+    second = cached_engine(loaded, "kvarn", disk_dir=str(tmp_path))
+    got, cached = run(second, prompt)
+    assert got == want
+    assert cached == 4 * G  # blocks 0..3 from disk, block 4 bad: a miss from there on
+    disk = second.prefix_cache_stats()["disk"]
+    assert disk["bad_files"] >= 1 and not list(folder.glob("*.tmp"))
+    # the bad block was recomputed and written again: a third engine hits everything
+    second.close()
+    third = cached_engine(loaded, "kvarn", disk_dir=str(tmp_path))
+    assert run(third, prompt) == (want, 896)
+    third.close()
+
+
+def test_a_disk_that_fails_turns_the_disk_tier_off_and_serving_goes_on(loaded, ids, tmp_path):
+    target = tmp_path / "not-a-folder"
+    target.write_text("a file where the cache folder should be")
+    engine = cached_engine(loaded, "fp16", disk_dir=str(target))
+    assert engine.prefix_cache_stats()["disk"]["enabled"] is False
+    run(engine, ids[:400])
+    assert run(engine, ids[:400])[1] == 384  # the memory tier still serves
+    engine.close()
+
+
+# --- budgets ---
+
+def test_memory_stays_within_the_budgets_under_a_200_request_mixed_load(loaded, ids):
+    """Shared system prompts, repeats, multi-turn follow-ups, forks and aborts: every step the
+    memory tier holds at most its budget, rows hold at most what is reserved, reservations stay
+    within the rows' share of the KV budget; the tier's bytes are what it really holds."""
+    apc_bytes = 24 * 2**20
+    config = dataclasses.replace(CONFIG, kv_budget_bytes=96 * 2**20)
+    engine = make_engine(loaded, config, KVConfig("kvarn"), ApcConfig(memory_bytes=apc_bytes))
+    assert engine.kv_budget_bytes == 96 * 2**20 - apc_bytes
+    rng = random.Random(7)
+    systems = [ids[k * 300: k * 300 + rng.randrange(130, 260)] for k in range(4)]
+    history: list[list[int]] = []
+    submitted = 0
+    checks = 0
+
+    def submit() -> None:
+        nonlocal submitted
+        kind = rng.random()
+        if kind < 0.15 and history:
+            prompt = rng.choice(history)  # a repeat
+        elif kind < 0.35 and history:
+            base = rng.choice(history)
+            prompt = base + ids[rng.randrange(4000):][:rng.randrange(20, 100)]  # a follow-up turn
+        else:
+            start = rng.randrange(1500, 4500)
+            prompt = rng.choice(systems) + ids[start: start + rng.randrange(10, 150)]
+        prompt = prompt[: loaded.context_length - 64]
+        n = 2 if rng.random() < 0.05 else 1
+        rid = f"m{submitted}"
+        params = SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True)
+        parent = Request(RequestId(rid), prompt, params, cache_salt=None if rng.random() < 0.9 else "other")
+        forks = tuple(Request(RequestId(f"{rid}-{i}"), prompt, params, index=i) for i in range(1, n))
+        engine.add_request(parent, forks)
+        history.append(prompt)
+        submitted += 1
+
+    while submitted < 200 or engine.has_work():
+        while submitted < 200 and engine.num_waiting < 8:
+            submit()
+        if rng.random() < 0.03 and engine.requests:
+            engine.abort_request(rng.choice(sorted(engine.requests)))
+        engine.step()
+        cache = engine.prefix.cache
+        assert cache.memory_bytes <= apc_bytes
+        assert engine.runner.kv_nbytes() <= engine.scheduler.reserved_bytes <= engine.kv_budget_bytes
+        checks += 1
+    stats = engine.prefix_cache_stats()
+    assert stats["memory"]["evicted"] > 0 and stats["hit_tokens"] > 0 and checks > 50
+    # honest accounting: dropping the cache releases exactly the bytes it said it held
+    mx.eval([])
+    gc.collect()
+    before, held = mx.get_active_memory(), engine.prefix.cache.memory_bytes
+    engine.reset_prefix_cache()
+    gc.collect()
+    released = before - mx.get_active_memory()
+    assert held > 2**20 and abs(released - held) <= 0.02 * held, (held, released)
+
+
+# --- checkpoint tier: sliding windows and recurrent layers ---
+
+VOCAB = 512
+TINY = {
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=256, vocab_size=VOCAB,
+                        sliding_window=32, sliding_window_pattern=2, query_pre_attn_scalar=256),
+    "qwen3_next": dict(model_type="qwen3_next", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+                       num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2,
+                       linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4,
+                       num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=128,
+                       mlp_only_layers=[], moe_intermediate_size=64, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                       num_key_value_heads=2, rope_theta=1e6, partial_rotary_factor=0.25,
+                       max_position_embeddings=4096, head_dim=128, full_attention_interval=2),
+}
+
+
+def tiny(loaded, arch: str) -> LoadedModel:
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs(**TINY[arch]))
+    mx.eval(model.parameters())
+    return dataclasses.replace(loaded, model=model, model_id=arch, fingerprint=arch, vocab_size=VOCAB)
+
+
+# max |logprob difference| restored vs without cache before any divergence, ~3x the worst
+# measured (fp16: 4e-6; KVarN: 7e-3 on gemma3_text, where float rounding of differently shaped
+# chunks flipped a 2-bit code of a tile both runs quantize; 7e-5 on qwen3_next)
+LOGPROB_TOL = {"fp16": 1e-4, "kvarn": 0.025}
+NEAR_TIE = 0.05  # a top-2 logprob gap under this may legitimately resolve differently
+
+
+def run_lp(engine, prompt, snapshot_at: tuple[int, ...] = ()):
+    """(tokens, logprob entries, cached tokens) of a greedy request with top-2 logprobs."""
+    rid = f"lp{random.random()}"
+    request = Request(RequestId(rid), list(prompt), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                                    logprobs=True, top_logprobs=2),
+                      snapshot_at=snapshot_at)
+    engine.add_request(request)
+    entries, cached = [], None
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid:
+                entries += out.logprobs
+                cached = out.num_cached_tokens
+    return list(request.output_ids), entries, cached
+
+
+def assert_same_up_to_rounding(got, want, tol: float) -> None:
+    """Greedy tokens equal, or equal up to a near-tie of the run without cache; the logprobs
+    of the tokens before it within ``tol``."""
+    (tokens, entries, _), (want_tokens, want_entries, _) = got, want
+    diverged = next((k for k, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), None)
+    upto = len(tokens) if diverged is None else diverged
+    for a, b in zip(entries[:upto], want_entries[:upto]):
+        assert abs(a.logprob - b.logprob) < tol
+    if diverged is not None:
+        top = want_entries[diverged].top
+        assert top[0][1] - top[1][1] < NEAR_TIE, (diverged, top)
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+@pytest.mark.parametrize("scheme", ["kvarn", "fp16"])
+def test_checkpoint_tier_restores_whole_rows(loaded, arch, scheme, tmp_path):
+    """Snapshots at the prompt's last token but one and at a system prompt's end; restored from
+    memory and, by a fresh engine, from disk."""
+    model = tiny(loaded, arch)
+    config = dataclasses.replace(CONFIG, prefill_chunk_size=256, max_num_batched_tokens=512)
+    reference = make_engine(model, config, SCHEMES[scheme], OFF)
+    engine = make_engine(model, config, SCHEMES[scheme], ApcConfig(disk_dir=str(tmp_path)))
+    assert engine.prefix.tier == "checkpoint"
+    tol = LOGPROB_TOL[scheme]
+    rng = random.Random(1)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(1500)]
+    want = run_lp(reference, prompt[:700])
+    first = run_lp(engine, prompt[:700])
+    assert first[0] == want[0] and first[2] == 0
+    repeat = run_lp(engine, prompt[:700])
+    assert repeat[2] == 699
+    assert_same_up_to_rounding(repeat, want, tol)
+    turn2 = prompt[:700] + want[0] + prompt[800:900]
+    got2 = run_lp(engine, turn2)
+    assert got2[2] == 699
+    assert_same_up_to_rounding(got2, run_lp(reference, turn2), tol)
+    # a system prompt's end is a snapshot point: siblings share it
+    system = prompt[:150]
+    for k, tail in enumerate((prompt[1000:1200], prompt[1200:1300])):
+        got = run_lp(engine, system + tail, snapshot_at=(150,))
+        assert got[2] == (0 if k == 0 else 150)
+        assert_same_up_to_rounding(got, run_lp(reference, system + tail, snapshot_at=(150,)), tol)
+    engine.close()
+    # a fresh engine finds the snapshots on disk
+    again = make_engine(model, config, SCHEMES[scheme], ApcConfig(disk_dir=str(tmp_path)))
+    restored = run_lp(again, prompt[:700])
+    assert restored[2] == 699 and again.prefix_cache_stats()["disk_hit_tokens"] == 699
+    assert_same_up_to_rounding(restored, want, tol)
+    again.close()
