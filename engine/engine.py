@@ -264,10 +264,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.plan()
         result = self.runner.run(plan, self.requests)
-        outputs = self.update(plan, result)
-        if self.prefix is not None:  # cache what the step completed (after finishes: a finished row is gone)
-            self.prefix.after_step(plan, self.requests, self.runner.rows)
-        return outputs
+        return self.update(plan, result)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = []
@@ -275,7 +272,10 @@ class Engine:
             request = self.requests.get(request_id)
             if request is not None:
                 outputs += self._finish(request, FinishReason.ERROR, error=reason)
-        for request in self.scheduler.update(plan, result):
+        advanced = self.scheduler.update(plan, result)
+        if self.prefix is not None:  # cache what the step completed, before finished rows are freed
+            self.prefix.after_step(plan, self.requests, self.runner.rows)
+        for request in advanced:
             sampled = result.sampled[request.request_id]
             delta = advance(self._outputs[request.request_id], request, sampled.token_id, sampled.logprob,
                             self._eos_token_ids, self.loaded.context_length)

@@ -62,7 +62,6 @@ class Restore:
 
     tokens: int
     blocks: list[Payload] = field(default_factory=list)
-    keys: list[BlockKey] = field(default_factory=list)
     snapshot: Payload | None = None
 
 
@@ -77,8 +76,8 @@ class _Progress:
 
 
 class PrefixReuse:
-    def __init__(self, cache: PrefixCache, layout: KVLayout, chunk_size: int, make_cache: Callable[[int | None], list],
-                 fresh_end: Callable[[Request], int] | None = None) -> None:
+    def __init__(self, cache: PrefixCache, layout: KVLayout, chunk_size: int,
+                 make_cache: Callable[[int | None], list]) -> None:
         self.cache = cache
         self.layout = layout
         self.G = cache.block_size
@@ -98,7 +97,7 @@ class PrefixReuse:
             if not blocks:
                 return None
             self.progress[request.request_id] = _Progress(next_block=len(blocks), keys=list(keys))
-            return Restore(len(blocks) * self.G, blocks=blocks, keys=list(keys))
+            return Restore(len(blocks) * self.G, blocks=blocks)
         found = self.cache.longest_snapshot(request.prompt_ids, self._snapshot_salt(request))
         if found is None:
             return None
@@ -120,7 +119,8 @@ class PrefixReuse:
 
     # --- after a step ---
     def after_step(self, plan: StepPlan, requests: Mapping[RequestId, Request], rows: Mapping[RequestId, Any]) -> None:
-        """Cache what the step completed for the requests it ran (``rows``: the runner's rows)."""
+        """Cache what the step completed for the requests it ran (``rows``: the runner's rows),
+        after the scheduler advanced them and before any of them is finished and freed."""
         fresh = {c.request_id for c in plan.prefills if _ran_fresh(rows.get(c.request_id))}
         ids = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks] + list(plan.decodes)
         for chunk in plan.prefills:  # forks start from their parent's progress
