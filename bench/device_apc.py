@@ -1,0 +1,102 @@
+"""Prefix cache on a GPU, through the engine (no HTTP): time to first token of a ~3.5k-token
+prompt cold, restored from the memory tier, and restored from disk by a fresh engine (a
+restart), per KV layout; plus greedy agreement of restored runs with runs without the cache.
+
+    python bench/device_apc.py --out bench/results/device-apc.json
+
+Run on the lent H200 with MLX's CUDA backend (see shared/tools/README.md); on a CPU it runs too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.engine import make_engine  # noqa: E402
+from engine.kv_config import ApcConfig, KVConfig  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.request import Request, RequestId, SamplingParams  # noqa: E402
+from engine.scheduler import SchedulerConfig  # noqa: E402
+
+ARMS = {"kvarn-k4v2": KVConfig("kvarn", 4, 2), "fp16": KVConfig("fp16"), "affine-4": KVConfig("affine", 4, 4)}
+CONFIG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, prefill_chunk_size=512, kv_budget_bytes=2**31)
+
+
+def ttft(engine, prompt: list[int], max_tokens: int = 1) -> tuple[float, list[int], int]:
+    """(seconds to the first token, greedy tokens, cached prompt tokens)."""
+    rid = RequestId(f"r{time.perf_counter_ns()}")
+    request = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    engine.add_request(request)
+    first, cached = None, 0
+    while engine.has_work():
+        for out in engine.step():
+            if out.request_id == rid and out.token_ids and first is None:
+                first = time.perf_counter() - start
+            cached = out.num_cached_tokens
+    return first, list(request.output_ids), cached
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=3500)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    loaded = load_model()
+    data = json.loads((Path(__file__).resolve().parents[1] / "engine/data/kld_prompts.json").read_text())
+    ids = loaded.tokenizer.encode(" ".join(p["text"] for p in data["prompts"]), add_special_tokens=False)
+    prompts = [(ids[k * 300:] + ids)[: args.tokens] for k in range(args.prompts)]  # distinct starts
+    results = {"device": str(mx.default_device()), "model": loaded.model_id, "dtype": loaded.compute_dtype,
+               "tokens": args.tokens, "arms": {}}
+    for name in args.arms.split(","):
+        kv = ARMS[name]
+        with tempfile.TemporaryDirectory() as folder:
+            off = make_engine(loaded, CONFIG, kv, ApcConfig(enabled=False))
+            ttft(off, ids[:64], 2)  # warm-up (kernels compile on first use)
+            for p in prompts[:1]:
+                ttft(off, p, 1)
+            want = [ttft(off, p, 24)[1] for p in prompts]
+            engine = make_engine(loaded, CONFIG, kv, ApcConfig(disk_dir=folder, memory_bytes=2**30))
+            ttft(engine, ids[-64:], 2)
+            cold = [ttft(engine, p)[0] for p in prompts]
+            memory = []
+            agree = 0
+            for p, w in zip(prompts, want):
+                memory += [ttft(engine, p)[0] for _ in range(args.repeats)]
+                got, cached = ttft(engine, p, 24)[1:]
+                agree += got == w
+            engine.close()
+            restarted = make_engine(loaded, CONFIG, kv, ApcConfig(disk_dir=folder, memory_bytes=2**30))
+            ttft(restarted, ids[-64:], 2)
+            disk, disk_cached = [], []
+            for p in prompts:
+                t, _, c = ttft(restarted, p)
+                disk.append(t)
+                disk_cached.append(c)
+            restarted.close()
+        row = {"cold_ms": 1e3 * statistics.median(cold), "memory_hit_ms": 1e3 * statistics.median(memory),
+               "disk_hit_ms": 1e3 * statistics.median(disk), "cached_tokens": cached, "disk_cached_tokens": disk_cached,
+               "greedy_equal_after_restore": f"{agree}/{len(prompts)}"}
+        row["memory_speedup"] = row["cold_ms"] / row["memory_hit_ms"]
+        row["disk_speedup"] = row["cold_ms"] / row["disk_hit_ms"]
+        results["arms"][name] = row
+        print(name, json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
