@@ -44,6 +44,11 @@ def usage(value: Any, max_tokens: int | None, finish: str | None) -> list[str]:
         reasons.append(f"completion_tokens {c} > max_tokens {max_tokens}")
     if finish == "length" and max_tokens is not None and c != max_tokens:
         reasons.append(f"finish_reason 'length' with {c} of max_tokens {max_tokens} tokens")
+    details = value.get("prompt_tokens_details")
+    if details is not None:
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if not isinstance(cached, int) or not 0 <= cached < max(p, 1):
+            reasons.append(f"prompt_tokens_details.cached_tokens {cached!r} is not in [0, prompt_tokens {p})")
     return reasons
 
 

@@ -57,6 +57,7 @@ class Outcome:
     prompt_tokens: int | None = None
     text: str = ""
     finish_reason: str | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
 
     @property
     def ok(self) -> bool:
@@ -70,6 +71,9 @@ class Outcome:
         if isinstance(usage, dict):
             self.completion_tokens = int(usage.get("completion_tokens") or 0)
             self.prompt_tokens = usage.get("prompt_tokens")
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.cached_tokens = details["cached_tokens"]
 
 
 def make_client(base_url: str, api_key: str | None, timeout: float, connections: int) -> httpx.AsyncClient:

@@ -1,4 +1,5 @@
-"""The load scenarios: burst, mixed, abort, determinism (bad_input lives in e2e.bad_input).
+"""The load scenarios: burst, mixed, abort, determinism (bad_input lives in e2e.bad_input, prefix in
+e2e.prefix).
 
 Each takes a ``Context``, fills a ``ScenarioReport`` and never raises for a server fault.
 ``run_scenario`` times it and then checks the server went back to idle.
@@ -15,6 +16,7 @@ from e2e.bad_input import bad_input
 from e2e.client import Call, Outcome
 from e2e.context import Context, chat_body, completion_body, health, metric_total, prompt_text, run_calls, \
     wait_idle
+from e2e.prefix import prefix
 from e2e.report import ScenarioReport
 
 logger = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ def _same(report: ScenarioReport, name: str, outcomes: list[Outcome]) -> None:
 
 Scenario = Callable[[Context, ScenarioReport], Awaitable[None]]
 SCENARIOS: dict[str, Scenario] = {"burst": burst, "mixed": mixed, "abort": abort, "bad_input": bad_input,
-                                  "determinism": determinism}
+                                  "determinism": determinism, "prefix": prefix}
 
 
 async def run_scenario(name: str, ctx: Context) -> ScenarioReport:

@@ -90,6 +90,7 @@ def test_stress_run_passes_with_exact_counts(server: str, tmp_path: Path) -> Non
         "abort": (9, 9, 0, 0, 8),  # 8 aborted streams, then one normal request
         "bad_input": (BAD_INPUT_REQUESTS, BAD_INPUT_REQUESTS, 0, 0, 0),
         "determinism": (13, 13, 0, 0, 0),  # solo + 8 greedy copies + 4 seeded copies
+        "prefix": (12, 12, 0, 0, 0),  # 3 conversations x 3 turns, 2 repeats, 1 salted repeat
     }
     for scenario in report["scenarios"]:
         assert scenario["passed"] and all(c["ok"] for c in scenario["checks"])
