@@ -76,6 +76,8 @@ from typing import Any
 
 import httpx
 
+from sse import sse_messages  # bench/sse.py (this script's folder is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLED = ROOT / "engine" / "bundled" / "fixture-chat-29m-q8"
 LOGS = ROOT / "bench" / "out"
@@ -312,13 +314,7 @@ async def stream_request(client: httpx.AsyncClient, route: str, body: dict[str, 
         if r.status_code != 200:
             detail = (await r.aread()).decode(errors="replace")[:500]
             raise BenchError(f"POST {route} answered {r.status_code}: {detail}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            msg = json.loads(data)
+        async for msg in sse_messages(r):
             if "error" in msg:
                 raise BenchError(f"POST {route}: error in the stream: {msg['error']}")
             usage = msg.get("usage") or usage

@@ -31,6 +31,8 @@ from collections import Counter
 
 import httpx
 
+from sse import sse_messages  # bench/sse.py (this script's folder is on sys.path)
+
 WORDS = ("time year people way day man thing woman life child world school state family student "
          "group country problem hand part place case week company system program question work "
          "government number night point home water room mother area money story fact month lot "
@@ -72,13 +74,7 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str) -> dict:
                 if r.status_code != 200:
                     await r.aread()
                     r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    msg = json.loads(data)
+                async for msg in sse_messages(r):
                     if "error" in msg:
                         raise RuntimeError(f"stream error: {msg['error']}")
                     usage = msg.get("usage") or usage
