@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, post_json, stream_json
 
 PROMPT = "How do I list files in Linux?"
+BATCH_NOISE = 3e-3  # batched vs alone logprobs, KVarN k4v2 (2x the 1.4e-3 logit noise measured in the engine)
 RAW_PROMPT = "The ls command"
 
 
@@ -278,11 +279,14 @@ def test_concurrent_requests_match_solo_runs(http: httpx.Client) -> None:
     for alone, batched in zip(solo, together):
         assert batched["message"]["content"] == alone["message"]["content"]
         # the same tokens; log-probabilities equal to float tolerance (a batched decode step runs the
-        # weight matmuls as one GEMM over the rows, whose summation order differs from one row alone)
+        # weight matmuls as one GEMM over the rows, whose summation order differs from one row alone,
+        # and the served KVarN layout amplifies that where a value crosses a rounding boundary: up to
+        # 1.4e-3 in logits measured in tests/engine/test_batching.py; 1.03e-4 seen here once, over the
+        # 1e-4 this used to allow)
         assert (batched["logprobs"] is None) == (alone["logprobs"] is None)
         if alone["logprobs"] is not None:
             for b, a in zip(batched["logprobs"]["content"], alone["logprobs"]["content"], strict=True):
-                assert b["token"] == a["token"] and b["logprob"] == pytest.approx(a["logprob"], abs=1e-4)
+                assert b["token"] == a["token"] and b["logprob"] == pytest.approx(a["logprob"], abs=BATCH_NOISE)
                 assert [t["token"] for t in b["top_logprobs"]] == [t["token"] for t in a["top_logprobs"]]
                 assert [t["logprob"] for t in b["top_logprobs"]] == pytest.approx(
-                    [t["logprob"] for t in a["top_logprobs"]], abs=1e-4)
+                    [t["logprob"] for t in a["top_logprobs"]], abs=BATCH_NOISE)
