@@ -20,7 +20,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
 from kvarn.batch import BatchRows, batch_attention
-from kvarn.cache import KVarNKVCache
+from kvarn.cache import Chunk, KVarNKVCache
+from kvarn.paged import PagedBatch, PagedLayer, paged_attention
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
 
@@ -111,6 +112,17 @@ def decode_uses_quantized_matmul() -> bool:
 
 
 def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.array:
+    """A later prefill chunk (L > 1) of a single-stream cache: ``chunk_attention_over`` its history."""
+    dtype = mx.float32 if queries.dtype == mx.float32 else mx.float16
+    sink_k = cache.sink_k[..., : cache.sink_len, :].astype(dtype)
+    sink_v = cache.sink_v[..., : cache.sink_len, :].astype(dtype)
+    view = cache.records.view()
+    rec_k, rec_v = dequantize_records(cache, view, dtype) if view is not None else (None, None)
+    return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, cache.chunk, cache.layout.tile_size, scale)
+
+
+def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, rec_k: mx.array | None,
+                         rec_v: mx.array | None, chunk: Chunk, G: int, scale: float) -> mx.array:
     """A later prefill chunk (L > 1), each token seeing what decode would have shown it.
 
     Decode at position p attends to the sink, the records of every tile committed once p is in
@@ -119,22 +131,20 @@ def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.
     window] (the window: the chunk's own tokens and the tail before it, in float16) under a
     per-token mask. So a token's attention does not depend on how the prompt was chunked, nor
     on whether it came in a chunk or in decode; a prefix restored from the prefix cache (records
-    made by any of them) continues exactly as the row that made it would have."""
-    chunk = cache.chunk
-    G = cache.layout.tile_size
-    dtype = mx.float32 if queries.dtype == mx.float32 else mx.float16
+    made by any of them) continues exactly as the row that made it would have. ``sink_*`` and
+    ``rec_*`` [1, H, n, D] are the row's history in the attention dtype (``rec_*`` None: no
+    records yet)."""
+    dtype = sink_k.dtype
     L = queries.shape[2]
-    parts_k = [cache.sink_k[..., : cache.sink_len, :].astype(dtype)]
-    parts_v = [cache.sink_v[..., : cache.sink_len, :].astype(dtype)]
-    kinds = [mx.zeros((cache.sink_len,), mx.int32)]
-    positions = [mx.arange(cache.sink_len)]
-    view = cache.records.view()
-    if view is not None:
-        k, v = dequantize_records(cache, view, dtype)
-        parts_k.append(k)
-        parts_v.append(v)
-        kinds.append(mx.ones((k.shape[2],), mx.int32))
-        positions.append(G + mx.arange(k.shape[2]))
+    sink_len = sink_k.shape[2]
+    parts_k, parts_v = [sink_k], [sink_v]
+    kinds = [mx.zeros((sink_len,), mx.int32)]
+    positions = [mx.arange(sink_len)]
+    if rec_k is not None:
+        parts_k.append(rec_k)
+        parts_v.append(rec_v)
+        kinds.append(mx.ones((rec_k.shape[2],), mx.int32))
+        positions.append(G + mx.arange(rec_k.shape[2]))
     if chunk.window_k is not None:
         parts_k.append(chunk.window_k.astype(dtype))
         parts_v.append(chunk.window_v.astype(dtype))
@@ -179,6 +189,10 @@ def affine_dequantized_attention(queries: mx.array, keys: tuple, values: tuple, 
 
 def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
+        if isinstance(cache, (PagedLayer, PagedBatch)):
+            if sinks is not None:
+                raise ValueError("KVarN attention does not support attention sinks")
+            return paged_attention(queries, cache, scale, mask)
         if isinstance(cache, BatchRows):
             return batch_attention(scaled_dot_product_attention, queries, cache, scale, mask, sinks)
         if isinstance(cache, KVarNKVCache):

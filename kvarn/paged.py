@@ -1,0 +1,602 @@
+"""Paged KVarN rows: a row is a block table into the pool (``kvarn.pool``), a sink block and a tail
+slot; one cache object per layer for a whole decode batch.
+
+    row (all layers)   table [b3 b9 b4]  sink s2  tail slot t5  (ids shared by every layer)
+    layer view         PagedLayer(row, l): offset, committed tiles, the latest chunk (prefill)
+    decode batch       PagedBatch([views of layer l]): one graph per layer for all rows
+
+A row's tokens are ``[sink | record 0 .. record n-1 | tail]`` exactly as in ``KVarNKVCache``
+(the single-stream cache, which stays the reference): keys and values rotated and rounded to
+float16 on arrival, the first G tokens in the sink, a record committed each time the tail holds a
+full tile. A commit quantizes the full tail straight into a free block (no history is copied); a
+fork copies the table and counts its blocks; ``trim`` touches the tail only.
+
+Block ids are taken by the first layer that commits a tile (``PagedRow.block_for``) and reused by
+the others, so one table serves every layer.
+
+Decode (``PagedBatch.update_and_fetch`` then ``decode_attention``): per layer, one scatter writes
+every row's new token (into its sink while the row is shorter than G, else its tail slot), one
+batched quantizer call commits every tile that filled, and attention gathers each row's sink,
+records (dequantized) and tail into one ``[B, H, T, D]`` operand for one fused SDPA under a
+per-row validity mask. The index arrays and the mask are the same for every layer of a step and
+are built once per step (``StepIndex``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from kvarn.cache import Block, Chunk
+from kvarn.layout import KVLayout
+from kvarn.pool import PAD, RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, quantize_blocks
+from kvarn.quantize import rotate
+from kvarn.record import RecordArrays
+
+
+class PagedRow:
+    """One sequence's storage in the pool: its record block table, sink block and tail slot, and
+    one ``PagedLayer`` view per layer that takes the layout (``layer_ids``)."""
+
+    def __init__(self, pool: KVarNPool, layer_ids: Sequence[int]) -> None:
+        self.pool = pool
+        pool.rows_made += 1
+        self.serial = pool.rows_made
+        self.table: list[int] = []
+        self.sink = pool.allocate("sinks", 1)[0]
+        self.slot = pool.allocate("tails", 1)[0]
+        self.released = False
+        self.layers = {l: PagedLayer(self, l) for l in layer_ids}
+
+    def block_for(self, tile: int) -> int:
+        """The block of record ``tile`` (taken from the pool by the first layer that commits it)."""
+        if tile < len(self.table):
+            return self.table[tile]
+        if tile != len(self.table):
+            raise ValueError(f"record {tile} committed before record {len(self.table)}")
+        self.table += self.pool.allocate("records", 1)
+        return self.table[tile]
+
+    def blocks_for(self, first: int, n: int) -> list[int]:
+        return [self.block_for(first + i) for i in range(n)]
+
+    def fork(self) -> PagedRow:
+        """A second row with this history: the table's blocks (and a full sink) are shared by
+        count, never copied; a partial sink and the tail are copied (they are still written)."""
+        pool = self.pool
+        child = PagedRow.__new__(PagedRow)
+        child.pool, child.released = pool, False
+        pool.rows_made += 1
+        child.serial = pool.rows_made
+        child.table = list(self.table)
+        pool.records.incref(child.table)
+        G = pool.layout.tile_size
+        share_sink = all(v.offset >= G for v in self.layers.values())
+        if share_sink:
+            pool.sinks.incref([self.sink])
+            child.sink = self.sink
+        else:
+            child.sink = pool.allocate("sinks", 1)[0]
+        child.slot = pool.allocate("tails", 1)[0]
+        for l in self.layers:
+            if pool.shapes[l] is None:
+                continue
+            a = pool.layers[l]
+            if not share_sink:
+                a.sink_k, a.sink_v = (_copy_slot(x, self.sink, child.sink) for x in (a.sink_k, a.sink_v))
+            a.tail_k, a.tail_v = (_copy_slot(x, self.slot, child.slot) for x in (a.tail_k, a.tail_v))
+        child.layers = {}
+        for l, view in self.layers.items():
+            other = PagedLayer(child, l)
+            other.offset, other.tail_len, other.num_tiles, other.pending = (view.offset, view.tail_len,
+                                                                           view.num_tiles, view.pending)
+            child.layers[l] = other
+        return child
+
+    def release(self) -> None:
+        """Give the row's blocks, sink and slot back (idempotent)."""
+        if self.released:
+            return
+        self.released = True
+        self.pool.records.decref(self.table)
+        self.pool.sinks.decref([self.sink])
+        self.pool.tails.decref([self.slot])
+        self.table = []
+
+
+def _copy_slot(buffer: mx.array, src: int, dst: int) -> mx.array:
+    """``buffer`` with entry ``dst`` := entry ``src`` (the piece is copied and evaluated first, so
+    the write does not hold a view of the buffer it writes and MLX updates it in place)."""
+    piece = mx.array(buffer[src: src + 1])
+    mx.eval(piece)
+    buffer[dst: dst + 1] = piece
+    return buffer
+
+
+def _single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
+    """One block's block-major fields in ``RecordArrays``'s single-tile layout (the prefix
+    cache's block format, shared with ``KVarNKVCache``)."""
+    k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c = (fields[n] for n in RECORD_FIELDS)
+    return (k_codes[None], k_alpha[None, ..., None], k_beta[None, ..., None], k_r[None], v_codes[None, :, None],
+            v_alpha[None, :, None], v_beta[None, :, None], v_c[None, :, None])
+
+
+def _block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
+    """The inverse of ``_single_tile`` for one block."""
+    k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c = arrays
+    return {"k_codes": k_codes[0], "k_alpha": k_alpha[0, ..., 0], "k_beta": k_beta[0, ..., 0], "k_r": k_r[0],
+            "v_codes": v_codes[0, :, 0], "v_alpha": v_alpha[0, :, 0], "v_beta": v_beta[0, :, 0], "v_c": v_c[0, :, 0]}
+
+
+class PagedLayer(_BaseCache):
+    """Layer ``l`` of a paged row, speaking mlx-lm's cache protocol (one row's prompt chunks run
+    through it; decode runs through ``PagedBatch``). Invariants as ``KVarNKVCache``: ``offset`` =
+    tokens seen; the sink holds ``min(offset, G)``; ``num_tiles`` records hold ``num_tiles * G``;
+    the tail holds ``tail_len`` < G; trim is tail-only."""
+
+    def __init__(self, row: PagedRow, l: int) -> None:
+        self.row = row
+        self.l = l
+        self.offset = 0
+        self.tail_len = 0
+        self.num_tiles = 0
+        self.chunk: Chunk | None = None
+        self.pending: tuple[mx.array, mx.array] | None = None  # restored fresh blocks, as in KVarNKVCache
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.row.pool.layout
+
+    @property
+    def sink_len(self) -> int:
+        return min(self.offset, self.layout.tile_size)
+
+    # --- writing (one row, any number of tokens) ---
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if self.pending is None and keys.shape[2] == 1 and self.offset > 0:
+            decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
+            self.chunk = None
+            return self, self
+        if self.pending is not None:
+            (pk, pv), self.pending = self.pending, None
+            keys = mx.concatenate([pk, keys.astype(pk.dtype)], axis=2)
+            values = mx.concatenate([pv, values.astype(pv.dtype)], axis=2)
+            self.offset = 0
+        _, H, L, D = keys.shape
+        G = self.layout.tile_size
+        pool, row = self.row.pool, self.row
+        a = pool.ensure_layer(self.l, H, D)
+        start = self.offset
+        k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE)
+        v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE)
+        used = 0
+        if start < G:
+            used = min(G - start, L)
+            a.sink_k[row.sink: row.sink + 1, :, start: start + used] = k_rot[..., :used, :]
+            a.sink_v[row.sink: row.sink + 1, :, start: start + used] = v_rot[..., :used, :]
+        window = (None, None)
+        if used < L:
+            window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
+        fresh = start == 0
+        if fresh or L == 1:
+            window = (None, None)
+        window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
+        self.chunk = Chunk(keys, values, fresh=fresh, start=start, window_start=window_start,
+                           window_k=window[0], window_v=window[1])
+        self.offset += L
+        return self, self
+
+    def _append_tail(self, k_new: mx.array, v_new: mx.array) -> tuple[mx.array, mx.array]:
+        """Tokens after the tail, committing every full tile into its block; returns the tail as it
+        was followed by the new tokens (the window a later chunk attends to in float16)."""
+        G = self.layout.tile_size
+        pool, row = self.row.pool, self.row
+        a = pool.layers[self.l]
+        slot = mx.array([row.slot], dtype=mx.int32)
+        k_all = mx.concatenate([a.tail_k[slot][..., : self.tail_len, :], k_new], axis=2)
+        v_all = mx.concatenate([a.tail_v[slot][..., : self.tail_len, :], v_new], axis=2)
+        _, H, total, D = k_all.shape
+        num_full = total // G
+        if num_full:
+            tiles_k = k_all[0, :, : num_full * G].reshape(H, num_full, G, D).transpose(1, 0, 2, 3)
+            tiles_v = v_all[0, :, : num_full * G].reshape(H, num_full, G, D).transpose(1, 0, 2, 3)
+            blocks = row.blocks_for(self.num_tiles, num_full)
+            pool.write_records(self.l, blocks, quantize_blocks(tiles_k, tiles_v, self.layout))
+            self.num_tiles += num_full
+        rest = total - num_full * G
+        if rest:
+            a.tail_k[row.slot: row.slot + 1, :, :rest] = k_all[..., num_full * G:, :]
+            a.tail_v[row.slot: row.slot + 1, :, :rest] = v_all[..., num_full * G:, :]
+        self.tail_len = rest
+        return k_all, v_all
+
+    # --- reading one row (prefill attention, the prefix cache) ---
+    def history(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
+        """(sink_k, sink_v) [1,H,sink_len,D] and the dequantized records [1,H,n*G,D] (None if none)."""
+        a = self.row.pool.layers[self.l]
+        sink = mx.array([self.row.sink], dtype=mx.int32)
+        sink_k = a.sink_k[sink][..., : self.sink_len, :].astype(dtype)
+        sink_v = a.sink_v[sink][..., : self.sink_len, :].astype(dtype)
+        if not self.num_tiles:
+            return sink_k, sink_v, None, None
+        table = mx.array(self.row.table[: self.num_tiles], dtype=mx.int32)[None]
+        rec_k, rec_v = dequantize_blocks(self.row.pool.gather_records(self.l, table), self.layout, dtype)
+        return sink_k, sink_v, rec_k, rec_v
+
+    def record_blocks(self, start: int, stop: int, copy: bool = True) -> list[Block]:
+        """Blocks ``[start, stop)`` (``start >= 1``: block i is record i - 1) in the prefix
+        cache's format, as arrays of their own (gathered from the pool)."""
+        if start < 1 or stop - 1 > self.num_tiles:
+            raise ValueError(f"records {start - 1}..{stop - 2} of {self.num_tiles}")
+        out = []
+        for i in range(start, stop):
+            ids = mx.array([self.row.table[i - 1]], dtype=mx.int32)
+            fields = {name: x[0] for name, x in self.row.pool.gather_records(self.l, ids).items()}
+            out.append(Block(i, "record", _single_tile(fields)))
+        return out
+
+    def fresh_blocks(self, start: int, stop: int) -> list[Block]:
+        """Blocks ``[start, stop)`` of the fresh chunk that just ran, raw (as ``KVarNKVCache``)."""
+        G = self.layout.tile_size
+        chunk = self.chunk
+        if chunk is None or not chunk.fresh or stop * G > chunk.keys.shape[2]:
+            raise ValueError("fresh blocks come from the fresh chunk that just ran, within its tokens")
+        return [Block(i, "fresh", (mx.array(chunk.keys[..., i * G:(i + 1) * G, :]),
+                                   mx.array(chunk.values[..., i * G:(i + 1) * G, :]))) for i in range(start, stop)]
+
+    def load_blocks(self, blocks: list[Block], continue_fresh: bool = False) -> PagedLayer:
+        """Fill this (empty) layer with ``blocks`` 0, 1, ... (the sink or fresh blocks, then
+        records), byte for byte what the row that made them held; see
+        ``KVarNKVCache.from_blocks`` for ``continue_fresh``."""
+        kinds = [b.kind for b in blocks]
+        fresh = kinds.count("fresh")
+        lead = max(fresh, 1)
+        if self.offset or not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
+                or kinds[:lead] != (["fresh"] * fresh if fresh else ["sink"]) \
+                or any(kind != "record" for kind in kinds[lead:]):
+            raise ValueError("blocks must be the sink (or fresh blocks) then records, in order from block 0, "
+                             "into an empty row")
+        G = self.layout.tile_size
+        if fresh:
+            keys = mx.concatenate([b.arrays[0] for b in blocks[:fresh]], axis=2)
+            values = mx.concatenate([b.arrays[1] for b in blocks[:fresh]], axis=2)
+            if continue_fresh:
+                if fresh != len(blocks):
+                    raise ValueError("only a row of fresh blocks can continue its fresh chunk")
+                self.pending = (keys, values)
+                self.offset = keys.shape[2]
+                return self
+            self.update_and_fetch(keys, values)
+            self.chunk = None
+        else:
+            sink_k, sink_v = blocks[0].arrays
+            _, H, _, D = sink_k.shape
+            a = self.row.pool.ensure_layer(self.l, H, D)
+            s = self.row.sink
+            a.sink_k[s: s + 1] = sink_k.astype(STORE_DTYPE)
+            a.sink_v[s: s + 1] = sink_v.astype(STORE_DTYPE)
+            self.offset = G
+        records = blocks[lead:]
+        if records:
+            fields = [_block_major(b.arrays) for b in records]
+            stacked = {name: mx.stack([f[name] for f in fields]) for name in RECORD_FIELDS}
+            ids = self.row.blocks_for(self.num_tiles, len(records))
+            self.row.pool.write_records(self.l, ids, stacked)
+            self.num_tiles += len(records)
+        self.offset = len(blocks) * G
+        return self
+
+    # --- mlx-lm cache protocol ---
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        removable = self.tail_len if self.offset > self.layout.tile_size else 0
+        n = min(n, removable)
+        self.tail_len -= n
+        self.offset -= n
+        return n
+
+    def release(self) -> None:
+        self.row.release()
+
+    @property
+    def nbytes(self) -> int:
+        """What this row holds in this layer, as ``KVarNKVCache`` counts it: sink + tail (G float16
+        tokens each, K and V) once written, plus its records."""
+        if self.pending is not None:
+            return sum(a.nbytes for a in self.pending)
+        shape = self.row.pool.shapes[self.l]
+        if self.offset == 0 or shape is None:
+            return 0
+        H, D = shape
+        G = self.layout.tile_size
+        return 4 * G * H * D * STORE_DTYPE.size + self.num_tiles * block_nbytes(self.layout, H, D)
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The pool arrays this layer's row lives in (what evaluating a step must settle). Paged
+        rows are cut at blocks by the prefix cache, never snapshotted whole."""
+        return self.row.pool.layers[self.l].arrays()
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return tuple(map(str, (self.offset, self.tail_len, self.num_tiles)))
+
+
+@dataclass(frozen=True)
+class StepIndex:
+    """What every layer of one decode step shares: write targets, commits and attention indices.
+
+    ``sink_ids``/``sink_pos`` and ``slot_ids``/``tail_pos`` send each row's new token to its sink
+    or its tail slot (the other target is the pad); ``commit_rows`` are the rows whose tail fills
+    (their slots ``commit_slots``, their new blocks ``commit_blocks``); after the write,
+    ``table`` [B, nb] (pad-filled) and ``mask`` [B, 1, 1, G + nb*G + G] select each row's valid
+    sink, records and tail tokens, and ``offset`` is the rows' RoPE offsets before it."""
+
+    offset: mx.array
+    sink_target: tuple[mx.array, mx.array] | None
+    tail_target: tuple[mx.array, mx.array] | None
+    commit_rows: tuple[int, ...]
+    commit_slots: mx.array | None
+    commit_blocks: tuple[int, ...]
+    sinks: mx.array
+    slots: mx.array
+    table: mx.array | None
+    mask: mx.array
+
+
+def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
+    """Plan one decode step for rows at these views' offsets (taking new blocks for commits)."""
+    G = layers[0].layout.tile_size
+    sink_ids, sink_pos, slot_ids, tail_pos, commits = [], [], [], [], []
+    sink_len, tail_len, num_tiles = [], [], []
+    for b, view in enumerate(layers):
+        p, row = view.offset, view.row
+        if p < G:
+            sink_ids.append(row.sink), sink_pos.append(p), slot_ids.append(PAD), tail_pos.append(0)
+            sink_len.append(p + 1), tail_len.append(0), num_tiles.append(view.num_tiles)
+            continue
+        sink_ids.append(PAD), sink_pos.append(0), slot_ids.append(row.slot), tail_pos.append(view.tail_len)
+        sink_len.append(G)
+        if view.tail_len == G - 1:
+            commits.append(b)
+            tail_len.append(0), num_tiles.append(view.num_tiles + 1)
+        else:
+            tail_len.append(view.tail_len + 1), num_tiles.append(view.num_tiles)
+    blocks = tuple(layers[b].row.block_for(layers[b].num_tiles) for b in commits)
+    nb = max(num_tiles)
+    i32 = mx.int32
+    table = None
+    if nb:
+        table = mx.array([view.row.table[:n] + [PAD] * (nb - n) for view, n in zip(layers, num_tiles)], dtype=i32)
+    sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (sink_len, tail_len, num_tiles))
+    g = mx.arange(G, dtype=i32)[None]
+    parts = [g < sl] + ([(mx.arange(nb * G, dtype=i32)[None] // G) < nt] if nb else []) + [g < tl]
+    in_sink = any(p < G for p in (v.offset for v in layers))
+    in_tail = any(p >= G for p in (v.offset for v in layers))
+    return StepIndex(
+        offset=mx.array([v.offset for v in layers], dtype=i32),
+        sink_target=(mx.array(sink_ids, dtype=i32), mx.array(sink_pos, dtype=i32)) if in_sink else None,
+        tail_target=(mx.array(slot_ids, dtype=i32), mx.array(tail_pos, dtype=i32)) if in_tail else None,
+        commit_rows=tuple(commits),
+        commit_slots=mx.array([layers[b].row.slot for b in commits], dtype=i32) if commits else None,
+        commit_blocks=blocks,
+        sinks=mx.array([v.row.sink for v in layers], dtype=i32),
+        slots=mx.array([v.row.slot for v in layers], dtype=i32),
+        table=table,
+        mask=mx.concatenate(parts, axis=1)[:, None, None, :],
+    )
+
+
+class _IndexMemo:
+    """The step index of the latest decode step (every layer of a step asks with the same rows at
+    the same offsets; the first layer builds it)."""
+
+    key: tuple | None = None
+    value: StepIndex | None = None
+
+
+def step_index(layers: Sequence[PagedLayer]) -> StepIndex:
+    memo = layers[0].row.pool.__dict__.setdefault("_step_memo", _IndexMemo())
+    key = tuple((v.row.serial, v.offset, v.tail_len, v.num_tiles) for v in layers)
+    if memo.key != key:
+        memo.key, memo.value = key, _step_index(layers)
+    return memo.value
+
+
+def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array) -> StepIndex:
+    """One token for each row (``keys`` [B,H,1,D], one row per view, all of one layer): rotate,
+    write into sinks/tails in one scatter per buffer, commit every tail that fills in one
+    quantizer call, advance the views. Returns the step's index (for attention)."""
+    index = step_index(layers)
+    view0 = layers[0]
+    pool, l = view0.row.pool, view0.l
+    _, H, _, D = keys.shape
+    a = pool.ensure_layer(l, H, D)
+    k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE)[:, :, 0]
+    v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE)[:, :, 0]
+    if index.sink_target is not None:
+        ids, pos = index.sink_target
+        a.sink_k[ids, :, pos] = k_rot
+        a.sink_v[ids, :, pos] = v_rot
+    if index.tail_target is not None:
+        ids, pos = index.tail_target
+        a.tail_k[ids, :, pos] = k_rot
+        a.tail_v[ids, :, pos] = v_rot
+    if index.commit_rows:
+        tiles = quantize_blocks(a.tail_k[index.commit_slots], a.tail_v[index.commit_slots], view0.layout)
+        pool.write_records(l, index.commit_blocks, tiles)
+    G = view0.layout.tile_size
+    committing = set(index.commit_rows)
+    for b, view in enumerate(layers):
+        if view.offset >= G:
+            if b in committing:
+                view.num_tiles += 1
+                view.tail_len = 0
+            else:
+                view.tail_len += 1
+        view.offset += 1
+    return index
+
+
+def dequantize_blocks(fields: dict[str, mx.array], layout: KVLayout, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """Gathered record fields [B, nb, H, ...] -> rotated keys and values [B, H, nb*G, D] in ``dtype``."""
+    k_codes = fields["k_codes"]
+    B, nb, H, S, W, _ = k_codes.shape
+    G = layout.tile_size
+    k = mx.dequantize(k_codes, fields["k_alpha"][..., None].astype(dtype), fields["k_beta"][..., None].astype(dtype),
+                      group_size=G, bits=layout.key_bits)  # [B,nb,H,S,W,G]
+    k = k * fields["k_r"][..., None, :].astype(dtype)
+    k = k.transpose(0, 2, 1, 5, 3, 4).reshape(B, H, nb * G, S * W)
+    v = mx.dequantize(fields["v_codes"], fields["v_alpha"].astype(dtype), fields["v_beta"].astype(dtype),
+                      group_size=W, bits=layout.value_bits)  # [B,nb,H,G,D]
+    v = v * fields["v_c"][:, :, :, None, :].astype(dtype)
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, H, nb * G, S * W)
+    return k, v
+
+
+def attention_dtype(queries: mx.array) -> mx.Dtype:
+    """Float32 where that is the compute dtype, else float16 (the storage dtype: bfloat16 would
+    round the float16 history again)."""
+    return mx.float32 if queries.dtype == mx.float32 else mx.float16
+
+
+def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: StepIndex, scale: float) -> mx.array:
+    """Decode attention of every row of one layer (queries [B, n_q, 1, D]) in one fused SDPA over
+    [sink | records | tail] gathered from the pool, after ``decode_update``."""
+    view0 = layers[0]
+    a = view0.row.pool.layers[view0.l]
+    dtype = attention_dtype(queries)
+    keys = [a.sink_k[index.sinks].astype(dtype)]
+    vals = [a.sink_v[index.sinks].astype(dtype)]
+    if index.table is not None:
+        rec_k, rec_v = dequantize_blocks(view0.row.pool.gather_records(view0.l, index.table), view0.layout, dtype)
+        keys.append(rec_k)
+        vals.append(rec_v)
+    keys.append(a.tail_k[index.slots].astype(dtype))
+    vals.append(a.tail_v[index.slots].astype(dtype))
+    q = rotate(queries.astype(mx.float32)).astype(dtype)
+    out = mx.fast.scaled_dot_product_attention(q, mx.concatenate(keys, axis=2), mx.concatenate(vals, axis=2),
+                                               scale=scale, mask=index.mask)
+    return rotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
+class PagedBatch(_BaseCache):
+    """Layer ``l`` of the rows decoding together: one graph for all of them. Rows join
+    (``extend``) and leave (``filter``) between steps; nothing of theirs is copied."""
+
+    def __init__(self, rows: Iterable[PagedLayer] = ()) -> None:
+        self.rows: list[PagedLayer] = []
+        self.index: StepIndex | None = None
+        self.extend(rows)
+
+    def extend(self, rows: Iterable[PagedLayer]) -> None:
+        for row in rows:
+            if not isinstance(row, PagedLayer):
+                raise TypeError(f"PagedBatch takes PagedLayer rows, not {type(row).__name__}")
+            if self.rows and (row.row.pool is not self.rows[0].row.pool or row.l != self.rows[0].l):
+                raise ValueError("a paged batch holds one layer of one pool")
+            self.rows.append(row)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        self.index = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def offset(self) -> mx.array:
+        return step_index(self.rows).offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if keys.shape[0] != len(self.rows) or keys.shape[2] != 1:
+            raise ValueError(f"a paged batch of {len(self.rows)} rows takes [B, H, 1, D] keys, not {keys.shape}")
+        self.index = decode_update(self.rows, keys, values)
+        return self, self
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return None  # the validity mask is the step index's
+
+    def size(self) -> int:
+        return max((row.offset for row in self.rows), default=0)
+
+    def empty(self) -> bool:
+        return all(row.offset == 0 for row in self.rows)
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(row.nbytes for row in self.rows)
+
+    @property
+    def state(self) -> list[Any]:
+        raise NotImplementedError("a batch has no state of its own: its rows live in the pool")
+
+
+def paged_attention(queries: mx.array, cache: PagedLayer | PagedBatch, scale: float, mask: Any) -> mx.array:
+    """The seam's entry for paged caches: a whole decode batch, or one row's chunk or token."""
+    from kvarn.attention import chunk_attention_over
+
+    if isinstance(cache, PagedBatch):
+        if cache.index is None:
+            raise RuntimeError("paged batch attention before update_and_fetch")
+        return decode_attention(queries, cache.rows, cache.index, scale)
+    chunk = cache.chunk
+    L = queries.shape[2]
+    if chunk is not None and chunk.fresh:
+        return mx.fast.scaled_dot_product_attention(queries, chunk.keys, chunk.values, scale=scale, mask=mask)
+    if L > 1 and chunk is not None:
+        sink_k, sink_v, rec_k, rec_v = cache.history(attention_dtype(queries))
+        return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, cache.layout.tile_size, scale)
+    return decode_attention(queries, [cache], step_index_after(cache), scale)
+
+
+def step_index_after(view: PagedLayer) -> StepIndex:
+    """The index a lone row's decode token was written with (its memo entry)."""
+    memo = view.row.pool.__dict__.get("_step_memo")
+    if memo is None or memo.value is None or memo.key is None or memo.key[0][0] != view.row.serial:
+        raise RuntimeError("paged decode attention before update_and_fetch")
+    return memo.value
+
+
+def fork_rows(cache: list[Any]) -> list[Any]:
+    """A row's per-layer caches forked: paged layers through their row (once for all layers)."""
+    from kvarn.baselines import fork_cache
+
+    forked: dict[int, PagedRow] = {}
+    out = []
+    for layer in cache:
+        if isinstance(layer, PagedLayer):
+            row = forked.get(id(layer.row))
+            if row is None:
+                row = forked[id(layer.row)] = layer.row.fork()
+            out.append(row.layers[layer.l])
+        else:
+            out.append(fork_cache([layer])[0])
+    return out
+
+
+def as_record_arrays(fields: dict[str, mx.array]) -> RecordArrays:
+    """Block-major fields of n blocks [n, ...] as one row's ``RecordArrays`` (the single-stream
+    layout), for comparing the pool with ``KVarNKVCache`` byte for byte."""
+    singles = [_single_tile({k: v[i] for k, v in fields.items()}) for i in range(fields["k_codes"].shape[0])]
+    axes = {"k_codes": 4, "k_alpha": 4, "k_beta": 4, "k_r": 3, "v_codes": 2, "v_alpha": 2, "v_beta": 2, "v_c": 2}
+    return RecordArrays(**{name: mx.concatenate([s[j] for s in singles], axis=axes[name])
+                           for j, name in enumerate(RECORD_FIELDS)})

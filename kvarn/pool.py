@@ -1,0 +1,248 @@
+"""The KVarN block pool: every committed record of every row, block-major, one set of arrays per layer.
+
+One *block* is one tile of G tokens of one layer, for all KV heads. Block ids are shared by the
+layers: block 7 is tile-sized slot 7 in every layer's arrays, so a row's block table (one list of
+ids) serves all layers, as in vLLM. Three kinds of storage, each with its own ids:
+
+    records (quantized)   k_codes [N, H, S, W, G*bk/32] uint32   k_alpha/k_beta [N, H, S, W] f16
+                          k_r     [N, H, S, G]            f16
+                          v_codes [N, H, G, D*bv/32]      uint32   v_alpha/v_beta [N, H, G, S] f16
+                          v_c     [N, H, D]               f16
+    sinks (float16)       sink_k / sink_v [Ns, H, G, D]   a row's first G tokens (refcounted: forks share)
+    tails (float16)       tail_k / tail_v [Nt, H, G, D]   a row's uncommitted tokens (one slot per row)
+
+    block n, head h of k_codes:  [ channel 0: G*bk/32 words | channel 1 | ... | channel W-1 ]  (contiguous)
+    block n, head h of v_codes:  [ token 0: D*bv/32 words   | token 1   | ... | token G-1  ]  (contiguous)
+
+So a kernel reads one tile of one head as one contiguous run per field (D = S*W; S = 1 for
+head_dim <= 128). Id 0 of each kind is reserved: a *pad* target that batched gathers point unused
+table entries at and batched writes send rows that have nothing to write to (it is never handed
+out, and what lands there is never read unmasked).
+
+Allocation (``BlockAllocator``, pure Python): reference counts, and a free queue with lazy eviction
+as in vLLM v1's block pool: a block whose count drops to 0 goes to the queue's tail but keeps its
+hash and stays findable (``lookup``) until the allocator hands it out again, least recently freed
+first. Arrays grow by doubling when every id is taken (one copy, amortized); a block's bytes are
+never moved otherwise, and nothing in the pool is ever written except through ``write_*`` with
+fresh ids, so MLX updates the arrays in place (the pool holds the only reference).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from kvarn.layout import KVLayout
+from kvarn.quantize import quantize_keys, quantize_values
+
+PAD = 0  # the reserved id of every kind
+RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
+STORE_DTYPE = mx.float16
+
+
+class BlockAllocator:
+    """Ids 1..capacity-1 (0 is the pad), reference counts, and an LRU free queue with lazy eviction.
+
+    Invariants: every id > 0 is either held (count > 0) or in the free queue, never both; a hashed
+    block is in ``by_hash`` exactly while it has its hash (held, or free and not yet reused)."""
+
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = max(capacity, 1)
+        self.refs: list[int] = [0] * self.capacity
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, self.capacity))
+        self.hash_of: dict[int, Hashable] = {}
+        self.by_hash: dict[Hashable, int] = {}
+        self.evicted = 0
+
+    @property
+    def num_held(self) -> int:
+        return self.capacity - 1 - len(self.free)
+
+    def grow(self, capacity: int) -> None:
+        """More ids; new ones are handed out before any cached free block is evicted."""
+        if capacity <= self.capacity:
+            return
+        new = OrderedDict((i, None) for i in range(self.capacity, capacity))
+        new.update(self.free)
+        self.free = new
+        self.refs += [0] * (capacity - self.capacity)
+        self.capacity = capacity
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` ids with count 1, least recently freed first (a cached one loses its hash).
+        The caller grows the allocator first if fewer than ``n`` are free."""
+        if n > len(self.free):
+            raise MemoryError(f"{n} blocks asked, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self.free.popitem(last=False)
+            key = self.hash_of.pop(block, None)
+            if key is not None:
+                del self.by_hash[key]
+                self.evicted += 1
+            self.refs[block] = 1
+            out.append(block)
+        return out
+
+    def incref(self, blocks: Sequence[int]) -> None:
+        for block in blocks:
+            if self.refs[block] == 0:  # a cached free block comes back into use
+                del self.free[block]
+            self.refs[block] += 1
+
+    def decref(self, blocks: Sequence[int]) -> None:
+        """Counts down; a block reaching 0 joins the free queue's tail. Blocks are given in a
+        row's order; they are queued last-first so a row's tail blocks are evicted before its
+        head (the head is what other prompts share)."""
+        for block in reversed(blocks):
+            if self.refs[block] <= 0:
+                raise ValueError(f"block {block} is not held")
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
+
+    def set_hash(self, block: int, key: Hashable) -> None:
+        if block in self.hash_of or key in self.by_hash:
+            return
+        self.hash_of[block] = key
+        self.by_hash[key] = block
+
+    def lookup(self, key: Hashable) -> int | None:
+        """The block with this hash, if it still exists (held or cached free); not counted."""
+        return self.by_hash.get(key)
+
+
+def _grown(a: mx.array, capacity: int) -> mx.array:
+    pad = mx.zeros((capacity - a.shape[0], *a.shape[1:]), a.dtype)
+    return mx.concatenate([a, pad], axis=0)
+
+
+@dataclass
+class LayerArrays:
+    """One layer's storage (see the module docstring for shapes); allocated at the layer's first write."""
+
+    records: dict[str, mx.array] = field(default_factory=dict)
+    sink_k: mx.array | None = None
+    sink_v: mx.array | None = None
+    tail_k: mx.array | None = None
+    tail_v: mx.array | None = None
+
+    def arrays(self) -> list[mx.array]:
+        out = list(self.records.values())
+        return out + [a for a in (self.sink_k, self.sink_v, self.tail_k, self.tail_v) if a is not None]
+
+
+def record_shapes(layout: KVLayout, H: int, D: int) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
+    """Per-block shape and dtype of each record field for H heads of D channels."""
+    G = layout.tile_size
+    W = layout.slice_width(D)
+    S = D // W
+    f16 = STORE_DTYPE
+    return {"k_codes": ((H, S, W, G * layout.key_bits // 32), mx.uint32), "k_alpha": ((H, S, W), f16),
+            "k_beta": ((H, S, W), f16), "k_r": ((H, S, G), f16),
+            "v_codes": ((H, G, D * layout.value_bits // 32), mx.uint32), "v_alpha": ((H, G, S), f16),
+            "v_beta": ((H, G, S), f16), "v_c": ((H, D), f16)}
+
+
+def block_nbytes(layout: KVLayout, H: int, D: int) -> int:
+    """Bytes of one record block of one layer."""
+    total = 0
+    for dims, dtype in record_shapes(layout, H, D).values():
+        size = dtype.size
+        for d in dims:
+            size *= d
+        total += size
+    return total
+
+
+def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:
+    """Quantize rotated float16 tiles [n, H, G, D] into n blocks (block-major record fields).
+
+    The same quantizer as ``kvarn.record.quantize_tiles`` on the same tiles (so the same codes and
+    factors, byte for byte), laid out block-major."""
+    n, H, G, D = keys.shape
+    W = layout.slice_width(D)
+    S = D // W
+    k = keys.reshape(n, H, G, S, W).transpose(0, 1, 3, 2, 4)  # [n,H,S,G,W]
+    v = values.reshape(n, H, G, S, W).transpose(0, 1, 3, 2, 4)
+    kt = quantize_keys(k, layout.key_bits, layout.iters)  # codes [n,H,S,W,Gw], alpha [n,H,S,W], r [n,H,S,G]
+    vt = quantize_values(v, layout.value_bits, layout.iters)  # codes [n,H,S,G,Ww], alpha [n,H,S,G], c [n,H,S,W]
+    return {"k_codes": kt.codes, "k_alpha": kt.alpha, "k_beta": kt.beta, "k_r": kt.r,
+            "v_codes": vt.codes.transpose(0, 1, 3, 2, 4).reshape(n, H, G, -1),
+            "v_alpha": vt.alpha.transpose(0, 1, 3, 2), "v_beta": vt.beta.transpose(0, 1, 3, 2),
+            "v_c": vt.c.reshape(n, H, D)}
+
+
+class KVarNPool:
+    """Every KVarN row's storage for all layers of one model: allocators shared by the layers,
+    arrays per layer (allocated lazily at a layer's first write, grown by doubling)."""
+
+    def __init__(self, layout: KVLayout, num_layers: int) -> None:
+        if layout.scheme != "kvarn":
+            raise ValueError("KVarNPool needs a kvarn layout")
+        self.layout = layout
+        self.records = BlockAllocator()
+        self.sinks = BlockAllocator()
+        self.tails = BlockAllocator()
+        self.layers = [LayerArrays() for _ in range(num_layers)]
+        self.shapes: list[tuple[int, int] | None] = [None] * num_layers  # (H, D) per layer
+        self.rows_made = 0  # serial numbers for rows (ids of freed Python objects get reused)
+
+    # --- ids ---
+    def allocate(self, kind: str, n: int) -> list[int]:
+        allocator = getattr(self, kind)
+        if n > len(allocator.free):
+            allocator.grow(max(2 * allocator.capacity, allocator.capacity + n - len(allocator.free) + 1))
+            for l in range(len(self.layers)):
+                self._fit(l)
+        return allocator.allocate(n)
+
+    # --- arrays ---
+    def ensure_layer(self, l: int, H: int, D: int) -> LayerArrays:
+        """Layer ``l``'s arrays, allocated at the allocators' current capacities if new."""
+        if self.shapes[l] is None:
+            self.shapes[l] = (H, D)
+            G = self.layout.tile_size
+            arrays = self.layers[l]
+            arrays.records = {name: mx.zeros((self.records.capacity, *shape), dtype)
+                              for name, (shape, dtype) in record_shapes(self.layout, H, D).items()}
+            arrays.sink_k, arrays.sink_v = (mx.zeros((self.sinks.capacity, H, G, D), STORE_DTYPE) for _ in range(2))
+            arrays.tail_k, arrays.tail_v = (mx.zeros((self.tails.capacity, H, G, D), STORE_DTYPE) for _ in range(2))
+        elif self.shapes[l] != (H, D):
+            raise ValueError(f"layer {l} holds {self.shapes[l]} heads x channels, not {(H, D)}")
+        return self.layers[l]
+
+    def _fit(self, l: int) -> None:
+        """Grow layer ``l``'s arrays to the allocators' capacities (no-op before its first write)."""
+        if self.shapes[l] is None:
+            return
+        a = self.layers[l]
+        if a.sink_k.shape[0] < self.sinks.capacity:
+            a.sink_k, a.sink_v = _grown(a.sink_k, self.sinks.capacity), _grown(a.sink_v, self.sinks.capacity)
+        if a.tail_k.shape[0] < self.tails.capacity:
+            a.tail_k, a.tail_v = _grown(a.tail_k, self.tails.capacity), _grown(a.tail_v, self.tails.capacity)
+        if a.records["k_codes"].shape[0] < self.records.capacity:
+            a.records = {name: _grown(x, self.records.capacity) for name, x in a.records.items()}
+
+    def write_records(self, l: int, blocks: Sequence[int], fields: dict[str, mx.array]) -> None:
+        """Blocks ``blocks`` of layer ``l`` := ``fields`` (block-major, one entry per block)."""
+        ids = mx.array(list(blocks), dtype=mx.int32)
+        records = self.layers[l].records
+        for name in RECORD_FIELDS:
+            records[name][ids] = fields[name].astype(records[name].dtype)
+
+    def gather_records(self, l: int, table: mx.array) -> dict[str, mx.array]:
+        """The record fields of blocks ``table`` (any int32 shape; the result has it in front)."""
+        records = self.layers[l].records
+        return {name: records[name][table] for name in RECORD_FIELDS}
+
+    def nbytes(self) -> int:
+        """What the pool's arrays hold in memory (all ids, free or not)."""
+        return sum(a.nbytes for layer in self.layers for a in layer.arrays())
+
+    def block_bytes(self) -> int:
+        """Bytes of one record block summed over the layers."""
+        return sum(block_nbytes(self.layout, *shape) for shape in self.shapes if shape is not None)

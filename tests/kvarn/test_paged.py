@@ -1,0 +1,241 @@
+"""Paged KVarN rows (kvarn/pool.py, kvarn/paged.py): the allocator's state asserted exactly, rows in
+the pool byte-identical to the single-stream ``KVarNKVCache`` whatever the chunking and batching,
+one graph per layer for a whole decode batch equal to each row alone, forks that allocate no
+record bytes, and prefix-cache blocks that round-trip."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvarn.attention import kvarn_attention
+from kvarn.cache import KVarNKVCache
+from kvarn.layout import KVLayout
+from kvarn.paged import PagedBatch, PagedRow, as_record_arrays, fork_rows, paged_attention
+from kvarn.pool import PAD, BlockAllocator, KVarNPool, quantize_blocks
+from kvarn.record import RecordArrays, quantize_tiles
+
+H, D, G = 2, 128, 64
+LAYOUT = KVLayout.kvarn("k4v2", tile_size=G)
+SCALE = D ** -0.5
+
+
+def kv(rng: np.random.Generator, n: int, rows: int = 1) -> tuple[mx.array, mx.array]:
+    shape = (rows, H, n, D)
+    return (mx.array(rng.standard_normal(shape).astype(np.float32)),
+            mx.array((rng.standard_normal(shape) * 0.5).astype(np.float32)))
+
+
+def pool_records(view) -> RecordArrays | None:
+    if not view.num_tiles:
+        return None
+    table = mx.array(view.row.table[: view.num_tiles], dtype=mx.int32)
+    return as_record_arrays(view.row.pool.gather_records(view.l, table))
+
+
+def assert_same_row(view, cache: KVarNKVCache) -> None:
+    """A paged layer holds byte for byte what the single-stream cache holds."""
+    assert (view.offset, view.tail_len, view.num_tiles) == (cache.offset, cache.tail_len, cache.records.num_tiles)
+    a = view.row.pool.layers[view.l]
+    row = view.row
+    pairs = [(a.sink_k[row.sink][None, :, : view.sink_len], cache.sink_k[..., : cache.sink_len, :]),
+             (a.sink_v[row.sink][None, :, : view.sink_len], cache.sink_v[..., : cache.sink_len, :]),
+             (a.tail_k[row.slot][None, :, : view.tail_len], cache.tail_k[..., : cache.tail_len, :]),
+             (a.tail_v[row.slot][None, :, : view.tail_len], cache.tail_v[..., : cache.tail_len, :])]
+    mine, theirs = pool_records(view), cache.records.view()
+    if theirs is not None:
+        pairs += [(getattr(mine, f), getattr(theirs, f)) for f in RecordArrays.__dataclass_fields__]
+    for x, y in pairs:
+        x, y = np.array(x), np.array(y)
+        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    assert view.nbytes == cache.nbytes
+
+
+# --- the allocator ---
+
+def test_allocator_counts_free_queue_order_hash_reuse_and_eviction_order():
+    a = BlockAllocator(capacity=5)  # ids 1..4 (0 is the pad)
+    assert list(a.free) == [1, 2, 3, 4] and a.num_held == 0
+    x = a.allocate(3)
+    assert x == [1, 2, 3] and a.refs[1:4] == [1, 1, 1] and list(a.free) == [4]
+    for block, key in zip(x, "abc"):
+        a.set_hash(block, key)
+    a.incref([1])  # a second row shares block 1
+    a.decref(x)  # the first row ends: queued last-first, block 1 is still held
+    assert a.refs[1:4] == [1, 0, 0] and list(a.free) == [4, 3, 2]
+    assert a.lookup("b") == 2 and a.lookup("c") == 3  # freed, still findable
+    a.incref([2])  # a prefix hit takes a cached free block back
+    assert a.refs[2] == 1 and list(a.free) == [4, 3]
+    got = a.allocate(2)  # uncached 4 first, then the least recently freed cached one (3)
+    assert got == [4, 3] and a.lookup("c") is None and a.lookup("b") == 2 and a.evicted == 1
+    with pytest.raises(MemoryError):
+        a.allocate(1)
+    a.grow(7)  # new ids come before any cached free block
+    a.decref([2])
+    assert list(a.free) == [5, 6, 2]
+    with pytest.raises(ValueError):
+        a.decref([2])
+
+
+def test_pool_grows_by_doubling_and_keeps_contents():
+    rng = np.random.default_rng(0)
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    rows = [PagedRow(pool, [0]) for _ in range(3)]
+    caches = [KVarNKVCache(LAYOUT) for _ in rows]
+    for i, (row, cache) in enumerate(zip(rows, caches)):
+        k, v = kv(rng, G * (3 + i) + 5)
+        row.layers[0].update_and_fetch(k, v)
+        cache.update_and_fetch(k, v)
+    assert pool.records.capacity >= 1 + 2 + 3 + 4 and pool.tails.capacity >= 4
+    assert pool.layers[0].records["k_codes"].shape[0] == pool.records.capacity
+    for row, cache in zip(rows, caches):
+        assert_same_row(row.layers[0], cache)
+    assert sorted(b for r in rows for b in r.table) == list(range(1, 10))
+
+
+# --- rows ---
+
+@pytest.mark.parametrize("chunks", [(300,), (64, 236), (5, 59, 1, 200, 35), (130, 170)])
+def test_paged_row_is_byte_identical_to_the_single_stream_cache(chunks):
+    rng = np.random.default_rng(1)
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    view = PagedRow(pool, [0]).layers[0]
+    cache = KVarNKVCache(LAYOUT)
+    for n in chunks:
+        k, v = kv(rng, n)
+        view.update_and_fetch(k, v)
+        cache.update_and_fetch(k, v)
+        q = mx.array(rng.standard_normal((1, 4, n, D)).astype(np.float32))
+        mask = "causal" if n > 1 else None
+        got = paged_attention(q, view, SCALE, mask)
+        want = kvarn_attention(q, cache, SCALE, mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
+        assert_same_row(view, cache)
+
+
+def test_batched_commit_is_byte_identical_to_a_single_row_commit():
+    rng = np.random.default_rng(2)
+    tiles_k = mx.array(rng.standard_normal((5, H, G, D)).astype(np.float16))
+    tiles_v = mx.array(rng.standard_normal((5, H, G, D)).astype(np.float16))
+    batched = as_record_arrays(quantize_blocks(tiles_k, tiles_v, LAYOUT))
+    one = [quantize_tiles(tiles_k[i][None, :, None], tiles_v[i][None, :, None], LAYOUT) for i in range(5)]
+    for name in RecordArrays.__dataclass_fields__:
+        from kvarn.record import TILE_AXIS
+
+        want = mx.concatenate([getattr(r, name) for r in one], axis=TILE_AXIS[name])
+        assert np.array(getattr(batched, name)).tobytes() == np.array(want).tobytes()
+
+
+def test_one_decode_graph_for_ragged_rows_equals_each_row_alone():
+    """Rows of 5, 63, 130 and 300 tokens (one joins late, one leaves early; sinks fill and tiles
+    commit at different steps) decode 150 steps as one batch: every step's attention equals the
+    same row alone in a single-stream cache, and the rows end byte-identical to it."""
+    rng = np.random.default_rng(3)
+    starts = [5, 63, 130, 300]
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    views = [PagedRow(pool, [0]).layers[0] for _ in starts]
+    alone = [KVarNKVCache(LAYOUT) for _ in starts]
+    for n, view, cache in zip(starts, views, alone):
+        k, v = kv(rng, n)
+        view.update_and_fetch(k, v)
+        cache.update_and_fetch(k, v)
+    live = [0, 1, 2]
+    batch = PagedBatch([views[i] for i in live])
+    worst = 0.0
+    for step in range(150):
+        if step == 30:
+            batch.extend([views[3]])
+            live.append(3)
+        if step == 100:
+            batch.filter([0, 2, 3])
+            live = [0, 2, 3]
+        k, v = kv(rng, 1, rows=len(live))
+        q = mx.array(rng.standard_normal((len(live), 4, 1, D)).astype(np.float32))
+        assert np.array(batch.offset).tolist() == [views[i].offset for i in live]
+        batch.update_and_fetch(k, v)
+        out = paged_attention(q, batch, SCALE, None)
+        for b, i in enumerate(live):
+            alone[i].update_and_fetch(k[b: b + 1], v[b: b + 1])
+            want = kvarn_attention(q[b: b + 1], alone[i], SCALE, None)
+            worst = max(worst, float(mx.max(mx.abs(out[b: b + 1] - want))))
+    assert worst < 2e-5
+    for view, cache in zip(views, alone):
+        assert view.num_tiles > 0
+        assert_same_row(view, cache)
+
+
+def test_fork_allocates_no_record_bytes_and_diverges_without_touching_the_parent():
+    rng = np.random.default_rng(4)
+    pool = KVarNPool(LAYOUT, num_layers=2)
+    parent = PagedRow(pool, [0, 1])
+    solo = [KVarNKVCache(LAYOUT) for _ in range(2)]
+    k, v = kv(rng, 3 * G + 10)
+    for l in (0, 1):
+        parent.layers[l].update_and_fetch(k, v)
+        solo[l].update_and_fetch(k, v)
+    held = pool.records.num_held
+    child_cache = fork_rows([parent.layers[0], parent.layers[1]])
+    child = child_cache[0].row
+    assert pool.records.num_held == held and child.table == parent.table and child.sink == parent.sink
+    assert all(pool.records.refs[b] == 2 for b in parent.table) and pool.sinks.refs[parent.sink] == 2
+    assert child.slot != parent.slot
+    for _ in range(2 * G):  # the child commits two records of its own
+        k1, v1 = kv(rng, 1)
+        for l in (0, 1):
+            child_cache[l].update_and_fetch(k1, v1)
+    assert child_cache[0].num_tiles == parent.layers[0].num_tiles + 2 and pool.records.num_held == held + 2
+    for l in (0, 1):
+        assert_same_row(parent.layers[l], solo[l])
+    child.release()
+    assert pool.records.num_held == held and all(pool.records.refs[b] == 1 for b in parent.table)
+    parent.release()
+    parent.release()  # idempotent
+    assert pool.records.num_held == 0 and pool.sinks.num_held == 0 and pool.tails.num_held == 0
+
+
+def test_fork_of_a_short_row_copies_its_partial_sink():
+    rng = np.random.default_rng(5)
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    parent = PagedRow(pool, [0])
+    solo = KVarNKVCache(LAYOUT)
+    k, v = kv(rng, 10)
+    parent.layers[0].update_and_fetch(k, v)
+    solo.update_and_fetch(k, v)
+    child = parent.fork()
+    assert child.sink != parent.sink
+    for _ in range(G):
+        k1, v1 = kv(rng, 1)
+        child.layers[0].update_and_fetch(k1, v1)
+    assert_same_row(parent.layers[0], solo)
+    assert child.layers[0].offset == 10 + G and child.layers[0].num_tiles == 0
+
+
+def test_record_blocks_round_trip_through_load_blocks():
+    """A row rebuilt in the pool from another row's blocks (the prefix cache's path) holds the
+    same bytes and continues identically."""
+    rng = np.random.default_rng(6)
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    source = PagedRow(pool, [0]).layers[0]
+    cache = KVarNKVCache(LAYOUT)
+    k, v = kv(rng, 5 * G)
+    source.update_and_fetch(k, v)
+    cache.update_and_fetch(k, v)
+    blocks = cache.blocks(4)  # the sink and three records, in the prefix cache's format
+    paged_blocks = source.record_blocks(1, 4)
+    for ours, theirs in zip(paged_blocks, blocks[1:]):
+        for x, y in zip(ours.arrays, theirs.arrays, strict=True):
+            assert np.array(x).tobytes() == np.array(y).tobytes() and x.shape == y.shape
+    restored = PagedRow(pool, [0]).layers[0].load_blocks(blocks)
+    again = KVarNKVCache.from_blocks(LAYOUT, blocks)
+    assert_same_row(restored, again)
+    k2, v2 = kv(rng, 100)
+    restored.update_and_fetch(k2, v2)
+    again.update_and_fetch(k2, v2)
+    assert_same_row(restored, again)
+
+
+def test_pad_ids_are_never_handed_out():
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    rows = [PagedRow(pool, [0]) for _ in range(9)]
+    assert PAD not in [r.sink for r in rows] + [r.slot for r in rows]
