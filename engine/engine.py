@@ -86,8 +86,7 @@ def make_prefix_reuse(loaded: LoadedModel, layout: KVLayout, config: SchedulerCo
     cache = PrefixCache(stamp, loaded.fingerprint, G, memory_bytes, apc.disk_dir, apc.disk_bytes, tier=tier)
     logger.info("prefix cache: %s tier, %s bytes in memory (carved from the KV budget)%s", tier,
                 f"{memory_bytes:,}", f", disk {apc.disk_dir} up to {apc.disk_bytes:,} bytes" if apc.disk_dir else "")
-    return PrefixReuse(cache, layout, config.prefill_chunk_size,
-                       lambda capacity: make_cache(loaded.model, layout, capacity))
+    return PrefixReuse(cache, layout, config.prefill_chunk_size)
 
 
 def make_pricing(loaded: LoadedModel, layout: KVLayout, prefill_chunk: int) -> Pricing:
@@ -172,11 +171,11 @@ class Engine:
         self._restores[request.request_id] = restore
         return restore.tokens
 
-    def _make_row(self, request: Request) -> list | None:
+    def _make_row(self, request: Request, fresh: list) -> list | None:
         restore = self._restores.pop(request.request_id, None)
         if restore is None:
             return None
-        return self.prefix.make_row(restore, self._capacity(request))
+        return self.prefix.make_row(restore, fresh)
 
     def close(self) -> None:
         """Finish the prefix cache's disk writes (shutdown)."""

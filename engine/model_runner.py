@@ -22,9 +22,10 @@ from engine.loader import LoadedModel
 from engine.request import Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import SampleArrays, SamplerState, make_sampler_state, sample
 from engine.step_types import PrefillChunk, SampledToken, StepPlan, StepResult
-from kvarn.baselines import cache_nbytes, fork_cache, make_cache
+from kvarn.baselines import cache_nbytes
 from kvarn.batch import BatchRows, make_batch_cache
 from kvarn.layout import KVLayout
+from kvarn.rows import RowStore
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +79,15 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
                  capacity: Any = None, restore: Any = None) -> None:
         """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
-        once); ``restore(request)`` a row rebuilt from the prefix cache, or None for a fresh
-        one; ``batch_decode`` False runs each decoding row alone (models whose caches cannot
-        be batched, e.g. recurrent layers)."""
+        once); ``restore(request, fresh)`` fills the fresh row from the prefix cache (returns
+        it) or returns None; ``batch_decode`` False runs each decoding row alone (models whose
+        caches cannot be batched, e.g. recurrent layers)."""
         self.loaded = loaded
         self.layout = layout
         self.batch_decode = batch_decode
         self.capacity = capacity
         self.restore = restore
+        self.store = RowStore(loaded.model, layout)
         self.rows: dict[RequestId, Row] = {}
         self.batch = DecodeBatch()
 
@@ -96,7 +98,9 @@ class ModelRunner:
         """Release rows now (their bytes go with them): the engine frees a row as soon as its
         request ends, so what rows hold never exceeds what admission has reserved."""
         for request_id in request_ids:
-            self.rows.pop(request_id, None)
+            row = self.rows.pop(request_id, None)
+            if row is not None:
+                self.store.release(row.cache)
         self.batch.drop(request_ids)
 
     def run(self, plan: StepPlan, requests: Mapping[RequestId, Request]) -> StepResult:
@@ -115,9 +119,8 @@ class ModelRunner:
             logger.exception("step failed")
             involved = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks]
             involved += list(plan.decodes)
-            for request_id in involved:
-                self.rows.pop(request_id, None)
             self.batch.clear()
+            self.free(tuple(involved))
             return StepResult(failed={request_id: f"generation failed: {exc}" for request_id in involved})
 
     def _prefill(self, chunk: PrefillChunk, requests: Mapping[RequestId, Request],
@@ -126,12 +129,15 @@ class ModelRunner:
         row = self.rows.get(chunk.request_id) or self._new_row(request)
         tokens = mx.array(request.prompt_ids[chunk.start_idx: chunk.end_idx], dtype=mx.int32)[None]
         logits = self.loaded.model(tokens, cache=row.cache)[0, -1]
+        if self.store.paged:  # settled now: the next write to the pool then updates it in place
+            mx.eval(logits, self.store.arrays())
         if not chunk.is_last:
-            mx.async_eval([c.state for c in row.cache])
+            if not self.store.paged:
+                mx.async_eval([c.state for c in row.cache])
             return
         for fork_id in chunk.forks:  # n > 1: the other choices share this prompt's history
             fork = requests[fork_id]
-            self.rows[fork_id] = Row(fork_cache(row.cache), make_sampler_state(fork.params, self.loaded.vocab_size),
+            self.rows[fork_id] = Row(self.store.fork(row.cache), make_sampler_state(fork.params, self.loaded.vocab_size),
                                      fork.params)
         for request_id in (chunk.request_id, *chunk.forks):
             state = self.rows[request_id]
@@ -155,9 +161,14 @@ class ModelRunner:
 
     def _new_row(self, request: Request) -> Row:
         capacity = self.capacity(request) if self.capacity is not None else None
-        restored = self.restore(request) if self.restore is not None else None
+        fresh = self.store.new_row(capacity)
+        try:
+            restored = self.restore(request, fresh) if self.restore is not None else None
+        except Exception:
+            self.store.release(fresh)
+            raise
         row = Row(
-            cache=restored if restored is not None else make_cache(self.loaded.model, self.layout, capacity),
+            cache=restored if restored is not None else fresh,
             sampler=make_sampler_state(request.params, self.loaded.vocab_size),
             params=request.params,
         )

@@ -4,7 +4,7 @@ The engine asks three things of it, all on the engine thread:
 
 - ``lookup(request)`` at admission: the longest cached prefix of the prompt, as a ``Restore``
   (tokens it covers, and what rebuilds the row); the scheduler then prefills only the rest;
-- ``make_row(restore, capacity)``: the row's per-layer caches rebuilt from it;
+- ``make_row(restore, fresh)``: a fresh row of the runner's filled from it;
 - ``after_step(...)``: cache what the step completed: whole blocks of prompts and of generated
   text (exact tier), or whole-row snapshots at chosen prompt lengths (checkpoint tier).
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +50,11 @@ from engine.step_types import StepPlan
 from kvarn.baselines import AffineKVCache, FP16KVCache, uses_layout
 from kvarn.cache import Block, KVarNKVCache
 from kvarn.layout import KVLayout
+from kvarn.paged import PagedLayer
 
 logger = logging.getLogger(__name__)
 
+KVARN_ROWS = (KVarNKVCache, PagedLayer)
 _WIDTH = {"fresh": 2, "record": 8, "fp16": 2, "affine": 6}  # arrays per layer of a block
 
 
@@ -76,13 +78,11 @@ class _Progress:
 
 
 class PrefixReuse:
-    def __init__(self, cache: PrefixCache, layout: KVLayout, chunk_size: int,
-                 make_cache: Callable[[int | None], list]) -> None:
+    def __init__(self, cache: PrefixCache, layout: KVLayout, chunk_size: int) -> None:
         self.cache = cache
         self.layout = layout
         self.G = cache.block_size
         self.chunk_size = chunk_size
-        self.make_cache = make_cache  # capacity -> a fresh row (the model's own cache types)
         self.fresh_blocks = chunk_size // self.G if layout.scheme == "kvarn" else 0
         self.progress: dict[RequestId, _Progress] = {}
 
@@ -106,15 +106,15 @@ class PrefixReuse:
             return None  # cannot happen for snapshots this engine took; a guard for foreign salts
         return Restore(length, snapshot=payload)
 
-    def make_row(self, restore: Restore, capacity: int | None) -> list[Any]:
+    def make_row(self, restore: Restore, fresh: list[Any]) -> list[Any]:
+        """``fresh`` (a new row of the runner's, with its reservation) filled from ``restore``."""
         if restore.snapshot is not None:
-            return load_snapshot(self.make_cache(capacity), restore.snapshot)
-        row = self.make_cache(capacity)
+            return load_snapshot(fresh, restore.snapshot)
         out = []
-        for l, layer in enumerate(row):
+        for l, layer in enumerate(fresh):
             blocks = [Block(i, p.kind, p.arrays[l * _WIDTH[p.kind]: (l + 1) * _WIDTH[p.kind]])
                       for i, p in enumerate(restore.blocks)]
-            out.append(_restore_layer(layer, blocks, self.layout, capacity, self.chunk_size))
+            out.append(_restore_layer(layer, blocks, self.layout, self.chunk_size))
         return out
 
     # --- after a step ---
@@ -143,7 +143,7 @@ class PrefixReuse:
         for chunk in plan.prefills:  # the fresh chunk's raw keys are no longer needed
             row = rows.get(chunk.request_id)
             for layer in row.cache if row is not None else ():
-                if isinstance(layer, KVarNKVCache):
+                if isinstance(layer, KVARN_ROWS):
                     layer.chunk = None
 
     def forget(self, request_id: RequestId) -> None:
@@ -222,7 +222,7 @@ def _ran_fresh(row: Any) -> bool:
     """Whether a row's latest update was its fresh chunk (KVarN layers keep it as ``chunk``)."""
     if row is None:
         return False
-    layer = next((c for c in row.cache if isinstance(c, KVarNKVCache)), None)
+    layer = next((c for c in row.cache if isinstance(c, KVARN_ROWS)), None)
     return layer is not None and layer.chunk is not None and layer.chunk.fresh
 
 
@@ -230,10 +230,14 @@ def _join(kind: str, per_layer: Sequence[tuple[mx.array, ...]]) -> Payload:
     return Payload(kind, tuple(a for arrays in per_layer for a in arrays))
 
 
-def _restore_layer(layer: Any, blocks: list[Block], layout: KVLayout, capacity: int | None, chunk_size: int) -> Any:
-    if isinstance(layer, KVarNKVCache):  # inside the fresh chunk: it goes on in full precision
-        return KVarNKVCache.from_blocks(layout, blocks, continue_fresh=len(blocks) * layout.tile_size < chunk_size)
+def _restore_layer(layer: Any, blocks: list[Block], layout: KVLayout, chunk_size: int) -> Any:
+    continue_fresh = len(blocks) * layout.tile_size < chunk_size  # inside the fresh chunk: it goes on
+    if isinstance(layer, PagedLayer):
+        return layer.load_blocks(blocks, continue_fresh=continue_fresh)
+    if isinstance(layer, KVarNKVCache):
+        return KVarNKVCache.from_blocks(layout, blocks, continue_fresh=continue_fresh)
     if isinstance(layer, (FP16KVCache, AffineKVCache)):
+        capacity = layer.capacity
         width = len(blocks[0].arrays) // 2
         legs = []
         for leg in (0, 1):

@@ -13,6 +13,7 @@ from kvarn.baselines import AffineKVCache, FP16KVCache, fork_cache, make_cache
 from kvarn.batch import BatchKVarNKVCache, BatchRows, RowMasks, make_batch_cache
 from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
+from kvarn.rows import RowStore
 from tests.kvarn.test_models import build
 
 H, D, G = 2, 128, 64
@@ -162,25 +163,35 @@ def test_row_masks_split_per_row():
 
 # --- batched decode through mlx-lm models ---
 
-def decode_alone_and_batched(model, layout: KVLayout, prompts: list[list[int]], steps: int):
-    """Prefill each prompt alone, then decode ``steps`` greedy tokens: every row alone (B=1) and
-    all rows as one batch (B=len(prompts)); returns both logits [steps, rows, vocab]."""
-    caches = []
-    first = []
+def decode_alone_and_batched(model, layout: KVLayout, prompts: list[list[int]], steps: int,
+                             reference: str = "alone"):
+    """Prefill each prompt alone, then decode ``steps`` greedy tokens with all rows as one batch
+    of the engine's rows (``RowStore``: paged KVarN rows, one graph per layer) and, as the
+    reference, either every row alone (``"alone"``: B = 1 forwards) or the same [B, 1] forwards
+    over single-stream rows that attend one by one (``"rows"``: only the attention differs);
+    returns both logits [steps, rows, vocab]."""
+    store = RowStore(model, layout)
+    caches, forks, first = [], [], []
     for prompt in prompts:
-        cache = make_cache(model, layout, capacity=len(prompt) + steps)
+        cache = store.new_row(len(prompt) + steps)
         logits = model(mx.array([prompt], dtype=mx.int32), cache=cache)[0, -1]
+        single = make_cache(model, layout, capacity=len(prompt) + steps)
+        model(mx.array([prompt], dtype=mx.int32), cache=single)
         caches.append(cache)
+        forks.append(single)
         first.append(int(mx.argmax(logits).item()))
-    forks = [fork_cache(c) for c in caches]
     batch = [make_batch_cache([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+    per_row = [make_batch_cache([c[layer] for c in forks]) for layer in range(len(forks[0]))]
     tokens = list(first)
     tokens_alone = list(first)
     got, want = [], []
     for _ in range(steps):
         out = model(mx.array(tokens, dtype=mx.int32)[:, None], cache=batch)[:, -1]
-        solo = mx.concatenate([model(mx.array([[t]], dtype=mx.int32), cache=f)[:, -1]
-                               for t, f in zip(tokens_alone, forks)])
+        if reference == "alone":
+            solo = mx.concatenate([model(mx.array([[t]], dtype=mx.int32), cache=f)[:, -1]
+                                   for t, f in zip(tokens_alone, forks)])
+        else:
+            solo = model(mx.array(tokens_alone, dtype=mx.int32)[:, None], cache=per_row)[:, -1]
         mx.eval(out, solo)
         got.append(np.array(out))
         want.append(np.array(solo))
@@ -192,10 +203,20 @@ def decode_alone_and_batched(model, layout: KVLayout, prompts: list[list[int]], 
 # A batched step computes the rows' K/V with one GEMM, whose summation order differs from a row
 # alone: K/V agree to float32 noise (~1e-6), logits to ~1e-5 with the unquantized cache. A
 # quantized cache amplifies that noise where a value lands on the other side of a rounding
-# boundary: KVarN rounds K/V to float16 on arrival and RTN-codes each committed tile; measured
-# over this test, max |logit difference| 0.011 (logits span about +-10, and the quantization
-# error itself is 10-100x larger), the greedy tokens identical. Bounds ~5x the measured.
-LOGIT_TOLERANCE = {"kvarn": 0.05, "fp16": 1e-4, "affine": 0.05}
+# boundary. How much depends on the BLAS: with OpenBLAS's AVX-512 kernels (Cooperlake) a [1, n]
+# and a [5, n] product round differently, and against B = 1 runs one flipped code moved a logit
+# by 0.13 (KVarN) and 0.69 (affine-4) with identical greedy tokens; with its AVX2 kernels 0.011.
+# So the bundled model's rows are compared with the same [B, 1] forwards over rows that attend one
+# by one: the projections round the same on both sides and what differs is the attention (one
+# graph for all rows vs row by row) and the cache. fp16 and affine then agree to their noise floor
+# (bounds ~5x the measured). KVarN's batched attention (dequantized records, one masked SDPA) and
+# the per-row one (quantized_matmul over the records) differ by float32 noise, which the float16
+# rounding of every arriving key moves to ~1e-3 in the logits (measured 1.6e-3), and which a tile
+# commit can turn into one flipped 2-bit code: so for KVarN, logits agree within 5e-3 at every
+# step before the row's first tile commit of decode, and stay within a flipped code's reach
+# (measured 0.105, bound 0.5) after it, with the same greedy tokens throughout.
+LOGIT_TOLERANCE = {"kvarn": 5e-3, "fp16": 1e-4, "affine": 0.05}
+KVARN_AFTER_A_FLIP = 0.5
 
 
 @pytest.mark.parametrize("layout", [KVLayout.kvarn("k4v2"), KVLayout.fp16("float32"),
@@ -203,11 +224,24 @@ LOGIT_TOLERANCE = {"kvarn": 0.05, "fp16": 1e-4, "affine": 0.05}
 def test_bundled_model_batched_decode_matches_rows_alone(loaded_model, layout):
     install_attention_seam(loaded_model)
     rng = np.random.default_rng(6)
-    prompts = [rng.integers(16, 8000, n).tolist() for n in (3, 127, 128, 129, 260)]
-    got, want = decode_alone_and_batched(loaded_model, layout, prompts, steps=140)
+    lengths = (3, 127, 128, 129, 260)
+    prompts = [rng.integers(16, 8000, n).tolist() for n in lengths]
+    got, want = decode_alone_and_batched(loaded_model, layout, prompts, steps=140, reference="rows")
     tolerance = LOGIT_TOLERANCE[layout.scheme]
-    np.testing.assert_allclose(got, want, rtol=0, atol=tolerance)
     assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))  # no near-tie in this run
+    if layout.scheme != "kvarn":
+        np.testing.assert_allclose(got, want, rtol=0, atol=tolerance)
+        return
+    G = layout.tile_size
+    diff = np.abs(got - want).max(axis=-1)  # [steps, rows]
+    assert diff.max() < KVARN_AFTER_A_FLIP
+    for r, n in enumerate(lengths):
+        above = np.flatnonzero(diff[:, r] > tolerance)
+        # step s writes position n + s; the row's first tile of decode commits when n + s + 1
+        # reaches the next multiple of G past the sink
+        first_commit = max(2 * G, -(-(n + 1) // G) * G) - n - 1
+        if above.size:
+            assert int(above[0]) >= first_commit, (r, int(above[0]), first_commit)
 
 
 def test_sliding_window_model_batches_its_own_caches():
