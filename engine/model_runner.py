@@ -129,10 +129,10 @@ class ModelRunner:
         row = self.rows.get(chunk.request_id) or self._new_row(request)
         tokens = mx.array(request.prompt_ids[chunk.start_idx: chunk.end_idx], dtype=mx.int32)[None]
         logits = self.loaded.model(tokens, cache=row.cache)[0, -1]
-        if self.store.paged:  # settled now: the next write to the pool then updates it in place
-            mx.eval(logits, self.store.arrays())
+        if self.store.in_place:  # settled now, so the next write to the shared buffers is in place
+            mx.eval(logits, [c.state for c in row.cache])
         if not chunk.is_last:
-            if not self.store.paged:
+            if not self.store.in_place:
                 mx.async_eval([c.state for c in row.cache])
             return
         for fork_id in chunk.forks:  # n > 1: the other choices share this prompt's history

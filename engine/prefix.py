@@ -51,6 +51,7 @@ from kvarn.baselines import AffineKVCache, FP16KVCache, uses_layout
 from kvarn.cache import Block, KVarNKVCache
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer
+from kvarn.slots import SlotRow
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +237,13 @@ def _restore_layer(layer: Any, blocks: list[Block], layout: KVLayout, chunk_size
         return layer.load_blocks(blocks, continue_fresh=continue_fresh)
     if isinstance(layer, KVarNKVCache):
         return KVarNKVCache.from_blocks(layout, blocks, continue_fresh=continue_fresh)
+    if isinstance(layer, SlotRow):
+        width = len(blocks[0].arrays) // 2
+        legs = [tuple(mx.concatenate([b.arrays[leg * width + j] for b in blocks], axis=2) for j in range(width))
+                for leg in (0, 1)]
+        keys, values = (leg[0] if width == 1 else leg for leg in legs)
+        layer.load(keys, values, offset=len(blocks) * layout.tile_size)
+        return layer
     if isinstance(layer, (FP16KVCache, AffineKVCache)):
         capacity = layer.capacity
         width = len(blocks[0].arrays) // 2
@@ -283,6 +291,11 @@ def _save_layer(layer: Any) -> tuple[dict[str, Any], list[mx.array]] | None:
     if isinstance(layer, RotatingKVCache):
         return ({"type": "rotating", "offset": layer.offset, "keep": layer.keep, "max_size": layer.max_size,
                  "idx": layer._idx}, [layer.keys, layer.values])
+    if isinstance(layer, SlotRow):
+        n = layer.offset
+        if layer.store.quantized:
+            return {"type": "affine", "offset": n}, [p for leg in layer.state for p in leg]
+        return {"type": "kv", "offset": n}, list(layer.state)
     if isinstance(layer, QuantizedKVCache):
         n = layer.offset
         return ({"type": "affine", "offset": n},
@@ -316,6 +329,10 @@ def _load_layer(layer: Any, meta: dict[str, Any], arrays: list[mx.array]) -> Any
     if kind == "rotating" and isinstance(layer, RotatingKVCache):
         layer.keys, layer.values = arrays
         layer.offset, layer.keep, layer.max_size, layer._idx = meta["offset"], meta["keep"], meta["max_size"], meta["idx"]
+        return layer
+    if kind in ("affine", "kv") and isinstance(layer, SlotRow):
+        keys, values = (tuple(arrays[:3]), tuple(arrays[3:])) if kind == "affine" else arrays
+        layer.load(keys, values, offset=meta["offset"])
         return layer
     if kind == "affine" and isinstance(layer, QuantizedKVCache):
         capacity = getattr(layer, "capacity", None)

@@ -199,7 +199,7 @@ def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if sinks is not None:
                 raise ValueError("KVarN attention does not support attention sinks")
             return kvarn_attention(queries, cache, scale, mask)
-        if isinstance(cache, QuantizedKVCache) and not decode_uses_quantized_matmul():
+        if isinstance(keys, tuple) and getattr(cache, "bits", None) is not None and not decode_uses_quantized_matmul():
             return affine_dequantized_attention(queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

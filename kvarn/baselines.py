@@ -81,7 +81,10 @@ def _for_layer(cache: Any, layout: KVLayout, capacity: int | None) -> Any:
 
 def uses_layout(cache: Any) -> bool:
     """Whether a layer cache is one of the layout's caches (others keep their model's own)."""
-    return isinstance(cache, (KVarNKVCache, FP16KVCache, AffineKVCache))
+    from kvarn.paged import PagedLayer
+    from kvarn.slots import SlotRow
+
+    return isinstance(cache, (KVarNKVCache, FP16KVCache, AffineKVCache, PagedLayer, SlotRow))
 
 
 def count_quantized_layers(model: nn.Module, layout: KVLayout) -> tuple[int, int]:

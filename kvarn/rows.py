@@ -6,7 +6,10 @@
 - Models with layers of their own (sliding windows, recurrent state) keep single-stream rows
   (``kvarn.baselines.make_cache``): their prefix reuse is whole-row snapshots (the checkpoint
   tier), which needs each layer's own ``state``.
-- fp16 / affine: the baselines of ``kvarn.baselines`` with exact reservations.
+- fp16 / affine: every plain attention layer's rows share one slot buffer per layer
+  (``kvarn.slots``), so a decode batch runs one fused attention per layer; other layers keep
+  their model's own caches.
+- Without a capacity (rows made outside the engine) the per-row caches of ``kvarn.baselines``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from kvarn.baselines import fork_cache, make_cache
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow, fork_rows
 from kvarn.pool import KVarNPool
+from kvarn.slots import SlotRow, make_row_cache, make_stores
 
 
 class RowStore:
@@ -32,13 +36,21 @@ class RowStore:
         self.num_layers = len(base)
         paged = layout.scheme == "kvarn" and all(type(c) is KVCache for c in base)
         self.pool = KVarNPool(layout, self.num_layers) if paged else None
+        self.slots = make_stores(model, layout) if layout.scheme != "kvarn" else None
 
     @property
     def paged(self) -> bool:
         return self.pool is not None
 
+    @property
+    def in_place(self) -> bool:
+        """Whether rows live in shared buffers that each step updates in place (pool or slots)."""
+        return self.pool is not None or self.slots is not None
+
     def new_row(self, capacity: int | None) -> list[Any]:
         """A fresh row (one cache per layer) reserving ``capacity`` tokens."""
+        if self.slots is not None and capacity is not None:
+            return make_row_cache(self.model, self.slots, capacity)
         if self.pool is None:
             return make_cache(self.model, self.layout, capacity)
         row = PagedRow(self.pool, range(self.num_layers))
@@ -52,11 +64,5 @@ class RowStore:
     def release(cache: list[Any]) -> None:
         """Give a row's blocks back (rows of other kinds are freed with their arrays)."""
         for layer in cache:
-            if isinstance(layer, PagedLayer):
+            if isinstance(layer, (PagedLayer, SlotRow)):
                 layer.release()
-
-    def arrays(self) -> list[Any]:
-        """The pool's arrays (what a prefill chunk's evaluation settles), empty without a pool."""
-        if self.pool is None:
-            return []
-        return [a for layer in self.pool.layers for a in layer.arrays()]

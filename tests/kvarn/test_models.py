@@ -234,7 +234,7 @@ def test_bundled_model_k8v8_engine_matches_unquantized_cache(loaded):
             last = out
         row = engine.runner.rows.get(RequestId("long"))
         cache = row.cache if row is not None else cache  # the row is released as its request ends
-        seen.append([(c.offset, c.records.num_tiles, c.tail_len) for c in cache])
+        seen.append([(c.offset, c.num_tiles, c.tail_len) for c in cache])
     assert last.finish_reason is FinishReason.LENGTH and len(request.output_ids) == steps
     assert all(type(c) is KVarNKVCache for c in make_cache(loaded.model, engine.layout))
     # after the last step: prompt + every sampled token but the last went through the cache
