@@ -25,6 +25,7 @@ from kvarn.baselines import count_quantized_layers, make_cache
 from kvarn.batch import make_batch_cache
 from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
+from kvarn.pool import warm_quantizer
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     install_attention_seam(loaded.model)
     probe = make_cache(loaded.model, layout, capacity=1)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
+    kvarn_layer = next((c for c in probe if isinstance(c, KVarNKVCache)), None)
+    if kvarn_layer is not None:  # every tile count a step can commit: decode rows, or one prompt chunk
+        _, heads, _, dim = kvarn_layer.sink_k.shape
+        warm_quantizer(layout, heads, dim, max(config.max_num_seqs, -(-config.prefill_chunk_size // layout.tile_size)))
     pricing = make_pricing(loaded, layout, config.prefill_chunk_size)
     if config.kv_budget_bytes is None:
         weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvarn.batch import BatchRows, batch_attention
 from kvarn.cache import Chunk, KVarNKVCache
 from kvarn.paged import PagedBatch, PagedLayer, paged_attention
+from kvarn.slots import SlotBatch, attends_per_row, per_row_attention
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
 
@@ -193,6 +194,8 @@ def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if sinks is not None:
                 raise ValueError("KVarN attention does not support attention sinks")
             return paged_attention(queries, cache, scale, mask)
+        if isinstance(cache, SlotBatch) and attends_per_row(cache):
+            return per_row_attention(queries, keys, values, cache, scale, sinks)
         if isinstance(cache, BatchRows):
             return batch_attention(scaled_dot_product_attention, queries, cache, scale, mask, sinks)
         if isinstance(cache, KVarNKVCache):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from kvarn.layout import KVLayout
-from kvarn.quantize import quantize_keys, quantize_values
+from kvarn.quantize import quantize_keys_values
 
 PAD = 0  # the reserved id of every kind
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
@@ -162,16 +162,34 @@ def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[
     """Quantize rotated float16 tiles [n, H, G, D] into n blocks (block-major record fields).
 
     The same quantizer as ``kvarn.record.quantize_tiles`` on the same tiles (so the same codes and
-    factors, byte for byte: tested), laid out block-major, through ``mx.compile`` (one compiled
-    graph per layout and tile count: the ~200 small operations of the quantizer are built once and
-    fused, instead of built in Python at every commit)."""
+    factors, byte for byte: tested), laid out block-major, through ``mx.compile``: the ~200 small
+    operations of the quantizer are built once and fused instead of built in Python at every
+    commit, for tile counts padded to a power of two (tiles are quantized independently, so the
+    zero padding changes nothing; on CUDA each compiled shape costs a JIT compile)."""
     fn = _COMPILED.get(layout)
     if fn is None:
         fn = _COMPILED[layout] = mx.compile(lambda k, v: tuple(_quantize_blocks(k, v, layout)[n] for n in RECORD_FIELDS))
-    return dict(zip(RECORD_FIELDS, fn(keys, values)))
+    n = keys.shape[0]
+    bucket = 1 << max(n - 1, 0).bit_length()  # padded to a power of two: a few compiled shapes, not one per n
+    if bucket != n:
+        pad = mx.zeros((bucket - n, *keys.shape[1:]), keys.dtype)
+        keys, values = mx.concatenate([keys, pad]), mx.concatenate([values, pad])
+    return {name: x[:n] for name, x in zip(RECORD_FIELDS, fn(keys, values))}
 
 
 _COMPILED: dict[KVLayout, object] = {}
+
+
+def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
+    """Compile the quantizer for every tile-count bucket up to ``max_tiles`` now (at start-up)
+    rather than in the first step that commits that many tiles (a JIT compile on CUDA)."""
+    n = 1
+    while True:
+        tiles = mx.zeros((n, H, layout.tile_size, D), STORE_DTYPE)
+        mx.eval(list(quantize_blocks(tiles, tiles, layout).values()))
+        if n >= max_tiles:
+            return
+        n *= 2
 
 
 def _quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:
@@ -180,8 +198,8 @@ def _quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict
     S = D // W
     k = keys.reshape(n, H, G, S, W).transpose(0, 1, 3, 2, 4)  # [n,H,S,G,W]
     v = values.reshape(n, H, G, S, W).transpose(0, 1, 3, 2, 4)
-    kt = quantize_keys(k, layout.key_bits, layout.iters)  # codes [n,H,S,W,Gw], alpha [n,H,S,W], r [n,H,S,G]
-    vt = quantize_values(v, layout.value_bits, layout.iters)  # codes [n,H,S,G,Ww], alpha [n,H,S,G], c [n,H,S,W]
+    # K: codes [n,H,S,W,Gw], alpha [n,H,S,W], r [n,H,S,G]; V: codes [n,H,S,G,Ww], alpha [n,H,S,G], c [n,H,S,W]
+    kt, vt = quantize_keys_values(k, v, layout.key_bits, layout.value_bits, layout.iters)
     return {"k_codes": kt.codes, "k_alpha": kt.alpha, "k_beta": kt.beta, "k_r": kt.r,
             "v_codes": vt.codes.transpose(0, 1, 3, 2, 4).reshape(n, H, G, -1),
             "v_alpha": vt.alpha.transpose(0, 1, 3, 2), "v_beta": vt.beta.transpose(0, 1, 3, 2),

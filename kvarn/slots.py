@@ -456,3 +456,25 @@ def make_row_cache(model: nn.Module, stores: Sequence[SlotStore | None], capacit
     cache elsewhere."""
     return [cache if store is None else store.new_row(capacity)
             for store, cache in zip(stores, make_prompt_cache(model), strict=True)]
+
+
+# On a GPU, MLX's fused decode attention has no kernel for an array mask: a masked batch falls back to
+# matmul + softmax. Past this mean row length, one unmasked fused call per row over exactly its own
+# tokens is faster (H200, 32 rows: 1.19 vs 1.30 ms a layer at 4k, 2.29 vs 4.59 ms at 16k).
+PER_ROW_MIN_TOKENS = 4096
+
+
+def attends_per_row(cache: SlotBatch) -> bool:
+    """Whether a decode batch of fp16 slots attends row by row (GPU, deep rows) or in one masked call."""
+    if cache.store.quantized or mx.default_device() == mx.cpu:
+        return False
+    return sum(row.offset for row in cache.rows) >= PER_ROW_MIN_TOKENS * len(cache.rows)
+
+
+def per_row_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: SlotBatch,
+                      scale: float, sinks: mx.array | None) -> mx.array:
+    """One unmasked fused attention per row over its own ``offset`` tokens of the batch's view."""
+    outs = [mx.fast.scaled_dot_product_attention(queries[b: b + 1], keys[b: b + 1, :, : row.offset],
+                                                 values[b: b + 1, :, : row.offset], scale=scale, sinks=sinks)
+            for b, row in enumerate(cache.rows)]
+    return mx.concatenate(outs, axis=0)

@@ -239,3 +239,19 @@ def test_pad_ids_are_never_handed_out():
     pool = KVarNPool(LAYOUT, num_layers=1)
     rows = [PagedRow(pool, [0]) for _ in range(9)]
     assert PAD not in [r.sink for r in rows] + [r.slot for r in rows]
+
+
+@pytest.mark.parametrize("bits", [(4, 2), (3, 3), (8, 4)])
+def test_stacked_key_value_quantizer_is_byte_identical_to_separate_calls(bits):
+    """With G == W (tile 128, 128-channel slices) K and V go through one stacked pass."""
+    from kvarn.quantize import quantize_keys, quantize_keys_values, quantize_values
+
+    rng = np.random.default_rng(7)
+    k = mx.array((rng.standard_normal((3, 2, 128, 128)) * rng.uniform(0.1, 5, (3, 2, 1, 128))).astype(np.float16))
+    v = mx.array(rng.standard_normal((3, 2, 128, 128)).astype(np.float16))
+    kt, vt = quantize_keys_values(k, v, bits[0], bits[1], 8)
+    want_k, want_v = quantize_keys(k, bits[0], 8), quantize_values(v, bits[1], 8)
+    for got, want in ((kt, want_k), (vt, want_v)):
+        for name in got.__dataclass_fields__:
+            x, y = np.array(getattr(got, name)), np.array(getattr(want, name))
+            assert x.shape == y.shape and x.tobytes() == y.tobytes(), name

@@ -433,3 +433,22 @@ def bundled_model():
     from engine.loader import load_model
 
     return load_model().model
+
+
+def test_per_row_attention_equals_the_masked_batch():
+    """The GPU's deep-batch path (one unmasked fused call per row) computes what the masked call does."""
+    from kvarn.slots import attends_per_row, per_row_attention
+
+    rng = np.random.default_rng(11)
+    store = SlotStore()
+    rows = [store.new_row(400) for _ in range(3)]
+    for row, n in zip(rows, (5, 300, 130)):
+        row.update_and_fetch(*kv(rng, n))
+    batch = SlotBatch(rows)
+    mask = batch.make_mask(1)  # as a model asks: before the layers write
+    keys, values = batch.update_and_fetch(*kv(rng, 1, rows=3))
+    q = mx.array(rng.standard_normal((3, 2 * H, 1, D)).astype(np.float32))
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)
+    got = per_row_attention(q, keys, values, batch, 0.1, None)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    assert not attends_per_row(batch)  # the CPU (and shallow rows) take the one masked call
