@@ -111,8 +111,8 @@ class KVLayout:
     def sequence_bytes(self, num_tokens: int, head_dim: int, n_kv_heads: int) -> int:
         """Exact bytes one sequence of ``num_tokens`` holds in one layer.
 
-        KVarN: sink (G fp16 tokens) + tail buffer (G fp16 tokens), both allocated at the first
-        token, plus one record per full tile after the sink:
+        KVarN: sink (G tokens) + tail buffer (G tokens), both allocated at the first token, in
+        ``window_dtype``, plus one record per full tile after the sink:
             tokens  |<- sink G ->|<- record ->|<- record ->|<- tail (< G) ->|
         """
         if num_tokens <= 0:
@@ -120,9 +120,17 @@ class KVLayout:
         if self.scheme != "kvarn":
             return int(round(num_tokens * self.bytes_per_token(head_dim, n_kv_heads)))
         g = self.tile_size
-        buffers = 2 * (2 * g * head_dim * 2) * n_kv_heads  # sink + tail, K and V, fp16
+        buffers = 2 * (2 * g * head_dim * _DTYPE_BYTES[self.window_dtype]) * n_kv_heads  # sink + tail, K and V
         num_tiles = max(0, num_tokens - g) // g
         return buffers + int(num_tiles * g * self.bytes_per_token(head_dim, n_kv_heads))
+
+    @property
+    def window_dtype(self) -> str:
+        """What a KVarN row's sink and tail are stored in: float16 values (keys and values are
+        rounded to float16 on arrival), held as float32 where that is the compute dtype (MLX's CPU
+        backend: it converts float16 at ~0.6 ns an element, which made reading the window cost as
+        much as the attention itself); float16 everywhere else."""
+        return "float32" if self.storage_dtype == "float32" else "float16"
 
     def stamp(self, model_fingerprint: str) -> str:
         payload = json.dumps({"layout": asdict(self), "model": model_fingerprint}, sort_keys=True)

@@ -1,7 +1,7 @@
-"""Paged KVarN rows: a row is a block table into the pool (``kvarn.pool``), a sink block and a tail
-slot; one cache object per layer for a whole decode batch.
+"""Paged KVarN rows: a row is a block table into the pool (``kvarn.pool``) and a window slot (its
+float16 sink and tail); one cache object per layer for a whole decode batch.
 
-    row (all layers)   table [b3 b9 b4]  sink s2  tail slot t5  (ids shared by every layer)
+    row (all layers)   table [b3 b9 b4]  window w5  (ids shared by every layer)
     layer view         PagedLayer(row, l): offset, committed tiles, the latest chunk (prefill)
     decode batch       PagedBatch([views of layer l]): one graph per layer for all rows
 
@@ -15,9 +15,10 @@ Block ids are taken by the first layer that commits a tile (``PagedRow.block_for
 the others, so one table serves every layer.
 
 Decode (``PagedBatch.update_and_fetch`` then ``decode_attention``): per layer, one scatter writes
-every row's new token (into its sink while the row is shorter than G, else its tail slot), one
-batched quantizer call commits every tile that filled, and attention gathers each row's sink,
-records (dequantized) and tail into one ``[B, H, T, D]`` operand for one fused SDPA under a
+every row's new token into its window (the sink part while the row is shorter than G, else the
+tail part), one batched quantizer call commits every tile that filled, and attention reads each
+row's window (a plain slice when the batch's windows are consecutive, else a gather) and its
+records (gathered, dequantized) as one ``[B, H, T, D]`` operand for one fused SDPA under a
 per-row validity mask. The index arrays and the mask are the same for every layer of a step and
 are built once per step (``StepIndex``).
 """
@@ -39,16 +40,15 @@ from kvarn.record import RecordArrays
 
 
 class PagedRow:
-    """One sequence's storage in the pool: its record block table, sink block and tail slot, and
-    one ``PagedLayer`` view per layer that takes the layout (``layer_ids``)."""
+    """One sequence's storage in the pool: its record block table and window slot, and one
+    ``PagedLayer`` view per layer that takes the layout (``layer_ids``)."""
 
     def __init__(self, pool: KVarNPool, layer_ids: Sequence[int]) -> None:
         self.pool = pool
         pool.rows_made += 1
         self.serial = pool.rows_made
         self.table: list[int] = []
-        self.sink = pool.allocate("sinks", 1)[0]
-        self.slot = pool.allocate("tails", 1)[0]
+        self.slot = pool.allocate("windows", 1)[0]
         self.released = False
         self.layers = {l: PagedLayer(self, l) for l in layer_ids}
 
@@ -65,8 +65,8 @@ class PagedRow:
         return [self.block_for(first + i) for i in range(n)]
 
     def fork(self) -> PagedRow:
-        """A second row with this history: the table's blocks (and a full sink) are shared by
-        count, never copied; a partial sink and the tail are copied (they are still written)."""
+        """A second row with this history: the table's blocks are shared by count, never copied;
+        the window (2G float16 tokens: sink and tail) is copied into the fork's own slot."""
         pool = self.pool
         child = PagedRow.__new__(PagedRow)
         child.pool, child.released = pool, False
@@ -74,21 +74,12 @@ class PagedRow:
         child.serial = pool.rows_made
         child.table = list(self.table)
         pool.records.incref(child.table)
-        G = pool.layout.tile_size
-        share_sink = all(v.offset >= G for v in self.layers.values())
-        if share_sink:
-            pool.sinks.incref([self.sink])
-            child.sink = self.sink
-        else:
-            child.sink = pool.allocate("sinks", 1)[0]
-        child.slot = pool.allocate("tails", 1)[0]
+        child.slot = pool.allocate("windows", 1)[0]
         for l in self.layers:
             if pool.shapes[l] is None:
                 continue
             a = pool.layers[l]
-            if not share_sink:
-                a.sink_k, a.sink_v = (_copy_slot(x, self.sink, child.sink) for x in (a.sink_k, a.sink_v))
-            a.tail_k, a.tail_v = (_copy_slot(x, self.slot, child.slot) for x in (a.tail_k, a.tail_v))
+            a.win_k, a.win_v = (_copy_slot(x, self.slot, child.slot) for x in (a.win_k, a.win_v))
         child.layers = {}
         for l, view in self.layers.items():
             other = PagedLayer(child, l)
@@ -98,14 +89,19 @@ class PagedRow:
         return child
 
     def release(self) -> None:
-        """Give the row's blocks, sink and slot back (idempotent)."""
+        """Give the row's blocks and window back (idempotent)."""
         if self.released:
             return
         self.released = True
         self.pool.records.decref(self.table)
-        self.pool.sinks.decref([self.sink])
-        self.pool.tails.decref([self.slot])
+        self.pool.windows.decref([self.slot])
         self.table = []
+
+
+def _rounded(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Keys or values rotated and rounded to float16 (the contract), held in the window's dtype."""
+    out = rotate(x.astype(mx.float32)).astype(STORE_DTYPE)
+    return out if dtype == STORE_DTYPE else out.astype(dtype)
 
 
 def _copy_slot(buffer: mx.array, src: int, dst: int) -> mx.array:
@@ -171,13 +167,13 @@ class PagedLayer(_BaseCache):
         pool, row = self.row.pool, self.row
         a = pool.ensure_layer(self.l, H, D)
         start = self.offset
-        k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE)
-        v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE)
+        k_rot = _rounded(keys, pool.window_dtype)
+        v_rot = _rounded(values, pool.window_dtype)
         used = 0
         if start < G:
             used = min(G - start, L)
-            a.sink_k[row.sink: row.sink + 1, :, start: start + used] = k_rot[..., :used, :]
-            a.sink_v[row.sink: row.sink + 1, :, start: start + used] = v_rot[..., :used, :]
+            a.win_k[row.slot: row.slot + 1, :, start: start + used] = k_rot[..., :used, :]
+            a.win_v[row.slot: row.slot + 1, :, start: start + used] = v_rot[..., :used, :]
         window = (None, None)
         if used < L:
             window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
@@ -196,21 +192,22 @@ class PagedLayer(_BaseCache):
         G = self.layout.tile_size
         pool, row = self.row.pool, self.row
         a = pool.layers[self.l]
-        slot = mx.array([row.slot], dtype=mx.int32)
-        k_all = mx.concatenate([a.tail_k[slot][..., : self.tail_len, :], k_new], axis=2)
-        v_all = mx.concatenate([a.tail_v[slot][..., : self.tail_len, :], v_new], axis=2)
+        slot = mx.array([row.slot], dtype=mx.int32)  # a gather, not a view: the write below is then in place
+        k_all = mx.concatenate([a.win_k[slot][..., G: G + self.tail_len, :], k_new], axis=2)
+        v_all = mx.concatenate([a.win_v[slot][..., G: G + self.tail_len, :], v_new], axis=2)
         _, H, total, D = k_all.shape
         num_full = total // G
         if num_full:
             tiles_k = k_all[0, :, : num_full * G].reshape(H, num_full, G, D).transpose(1, 0, 2, 3)
             tiles_v = v_all[0, :, : num_full * G].reshape(H, num_full, G, D).transpose(1, 0, 2, 3)
             blocks = row.blocks_for(self.num_tiles, num_full)
-            pool.write_records(self.l, blocks, quantize_blocks(tiles_k, tiles_v, self.layout))
+            pool.write_records(self.l, blocks, quantize_blocks(tiles_k.astype(STORE_DTYPE), tiles_v.astype(STORE_DTYPE),
+                                                               self.layout))
             self.num_tiles += num_full
         rest = total - num_full * G
         if rest:
-            a.tail_k[row.slot: row.slot + 1, :, :rest] = k_all[..., num_full * G:, :]
-            a.tail_v[row.slot: row.slot + 1, :, :rest] = v_all[..., num_full * G:, :]
+            a.win_k[row.slot: row.slot + 1, :, G: G + rest] = k_all[..., num_full * G:, :]
+            a.win_v[row.slot: row.slot + 1, :, G: G + rest] = v_all[..., num_full * G:, :]
         self.tail_len = rest
         return k_all, v_all
 
@@ -218,9 +215,9 @@ class PagedLayer(_BaseCache):
     def history(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
         """(sink_k, sink_v) [1,H,sink_len,D] and the dequantized records [1,H,n*G,D] (None if none)."""
         a = self.row.pool.layers[self.l]
-        sink = mx.array([self.row.sink], dtype=mx.int32)
-        sink_k = a.sink_k[sink][..., : self.sink_len, :].astype(dtype)
-        sink_v = a.sink_v[sink][..., : self.sink_len, :].astype(dtype)
+        slot = mx.array([self.row.slot], dtype=mx.int32)
+        sink_k = a.win_k[slot][..., : self.sink_len, :].astype(dtype)
+        sink_v = a.win_v[slot][..., : self.sink_len, :].astype(dtype)
         if not self.num_tiles:
             return sink_k, sink_v, None, None
         table = mx.array(self.row.table[: self.num_tiles], dtype=mx.int32)[None]
@@ -276,9 +273,9 @@ class PagedLayer(_BaseCache):
             sink_k, sink_v = blocks[0].arrays
             _, H, _, D = sink_k.shape
             a = self.row.pool.ensure_layer(self.l, H, D)
-            s = self.row.sink
-            a.sink_k[s: s + 1] = sink_k.astype(STORE_DTYPE)
-            a.sink_v[s: s + 1] = sink_v.astype(STORE_DTYPE)
+            s = self.row.slot
+            a.win_k[s: s + 1, :, :G] = sink_k.astype(STORE_DTYPE).astype(a.win_k.dtype)
+            a.win_v[s: s + 1, :, :G] = sink_v.astype(STORE_DTYPE).astype(a.win_v.dtype)
             self.offset = G
         records = blocks[lead:]
         if records:
@@ -324,7 +321,7 @@ class PagedLayer(_BaseCache):
             return 0
         H, D = shape
         G = self.layout.tile_size
-        return 4 * G * H * D * STORE_DTYPE.size + self.num_tiles * block_nbytes(self.layout, H, D)
+        return 4 * G * H * D * self.row.pool.window_dtype.size + self.num_tiles * block_nbytes(self.layout, H, D)
 
     @property
     def state(self) -> list[mx.array]:
@@ -341,20 +338,20 @@ class PagedLayer(_BaseCache):
 class StepIndex:
     """What every layer of one decode step shares: write targets, commits and attention indices.
 
-    ``sink_ids``/``sink_pos`` and ``slot_ids``/``tail_pos`` send each row's new token to its sink
-    or its tail slot (the other target is the pad); ``commit_rows`` are the rows whose tail fills
-    (their slots ``commit_slots``, their new blocks ``commit_blocks``); after the write,
-    ``table`` [B, nb] (pad-filled) and ``mask`` [B, 1, 1, G + nb*G + G] select each row's valid
-    sink, records and tail tokens, and ``offset`` is the rows' RoPE offsets before it."""
+    ``write_slots``/``write_pos`` send each row's new token into its window (position p < G: the
+    sink part; else G + its tail length); ``commit_rows`` are the rows whose tail fills (windows
+    ``commit_slots``, new blocks ``commit_blocks``); after the write, ``windows`` (the batch's
+    window ids, or a ``(lo, hi)`` range when they are consecutive: read as a slice), ``table``
+    [B, nb] (pad-filled) and ``mask`` [B, 1, 1, 2G + nb*G] select each row's valid sink, tail and
+    record tokens; ``offset`` is the rows' RoPE offsets before the write."""
 
     offset: mx.array
-    sink_target: tuple[mx.array, mx.array] | None
-    tail_target: tuple[mx.array, mx.array] | None
+    write_slots: mx.array
+    write_pos: mx.array
     commit_rows: tuple[int, ...]
     commit_slots: mx.array | None
     commit_blocks: tuple[int, ...]
-    sinks: mx.array
-    slots: mx.array
+    windows: mx.array | tuple[int, int]
     table: mx.array | None
     mask: mx.array
 
@@ -362,15 +359,14 @@ class StepIndex:
 def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
     """Plan one decode step for rows at these views' offsets (taking new blocks for commits)."""
     G = layers[0].layout.tile_size
-    sink_ids, sink_pos, slot_ids, tail_pos, commits = [], [], [], [], []
-    sink_len, tail_len, num_tiles = [], [], []
+    write_pos, commits, sink_len, tail_len, num_tiles = [], [], [], [], []
     for b, view in enumerate(layers):
-        p, row = view.offset, view.row
+        p = view.offset
         if p < G:
-            sink_ids.append(row.sink), sink_pos.append(p), slot_ids.append(PAD), tail_pos.append(0)
+            write_pos.append(p)
             sink_len.append(p + 1), tail_len.append(0), num_tiles.append(view.num_tiles)
             continue
-        sink_ids.append(PAD), sink_pos.append(0), slot_ids.append(row.slot), tail_pos.append(view.tail_len)
+        write_pos.append(G + view.tail_len)
         sink_len.append(G)
         if view.tail_len == G - 1:
             commits.append(b)
@@ -383,22 +379,24 @@ def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
     table = None
     if nb:
         table = mx.array([view.row.table[:n] + [PAD] * (nb - n) for view, n in zip(layers, num_tiles)], dtype=i32)
+    slots = [view.row.slot for view in layers]
+    windows = (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) \
+        else mx.array(slots, dtype=i32)
     sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (sink_len, tail_len, num_tiles))
-    g = mx.arange(G, dtype=i32)[None]
-    parts = [g < sl] + ([(mx.arange(nb * G, dtype=i32)[None] // G) < nt] if nb else []) + [g < tl]
-    in_sink = any(p < G for p in (v.offset for v in layers))
-    in_tail = any(p >= G for p in (v.offset for v in layers))
+    w = mx.arange(2 * G, dtype=i32)[None]
+    parts = [(w < sl) | ((w >= G) & (w < G + tl))]
+    if nb:
+        parts.append((mx.arange(nb * G, dtype=i32)[None] // G) < nt)
     return StepIndex(
         offset=mx.array([v.offset for v in layers], dtype=i32),
-        sink_target=(mx.array(sink_ids, dtype=i32), mx.array(sink_pos, dtype=i32)) if in_sink else None,
-        tail_target=(mx.array(slot_ids, dtype=i32), mx.array(tail_pos, dtype=i32)) if in_tail else None,
+        write_slots=mx.array(slots, dtype=i32),
+        write_pos=mx.array(write_pos, dtype=i32),
         commit_rows=tuple(commits),
-        commit_slots=mx.array([layers[b].row.slot for b in commits], dtype=i32) if commits else None,
+        commit_slots=mx.array([slots[b] for b in commits], dtype=i32) if commits else None,
         commit_blocks=blocks,
-        sinks=mx.array([v.row.sink for v in layers], dtype=i32),
-        slots=mx.array([v.row.slot for v in layers], dtype=i32),
+        windows=windows,
         table=table,
-        mask=mx.concatenate(parts, axis=1)[:, None, None, :],
+        mask=mx.concatenate(parts, axis=1)[:, None, None, :] if nb else parts[0][:, None, None, :],
     )
 
 
@@ -420,27 +418,20 @@ def step_index(layers: Sequence[PagedLayer]) -> StepIndex:
 
 def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array) -> StepIndex:
     """One token for each row (``keys`` [B,H,1,D], one row per view, all of one layer): rotate,
-    write into sinks/tails in one scatter per buffer, commit every tail that fills in one
+    write into the windows in one scatter per buffer, commit every tail that fills in one
     quantizer call, advance the views. Returns the step's index (for attention)."""
     index = step_index(layers)
     view0 = layers[0]
     pool, l = view0.row.pool, view0.l
     _, H, _, D = keys.shape
     a = pool.ensure_layer(l, H, D)
-    k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE)[:, :, 0]
-    v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE)[:, :, 0]
-    if index.sink_target is not None:
-        ids, pos = index.sink_target
-        a.sink_k[ids, :, pos] = k_rot
-        a.sink_v[ids, :, pos] = v_rot
-    if index.tail_target is not None:
-        ids, pos = index.tail_target
-        a.tail_k[ids, :, pos] = k_rot
-        a.tail_v[ids, :, pos] = v_rot
-    if index.commit_rows:
-        tiles = quantize_blocks(a.tail_k[index.commit_slots], a.tail_v[index.commit_slots], view0.layout)
-        pool.write_records(l, index.commit_blocks, tiles)
     G = view0.layout.tile_size
+    a.win_k[index.write_slots, :, index.write_pos] = _rounded(keys, pool.window_dtype)[:, :, 0]
+    a.win_v[index.write_slots, :, index.write_pos] = _rounded(values, pool.window_dtype)[:, :, 0]
+    if index.commit_rows:
+        tiles = quantize_blocks(a.win_k[index.commit_slots][:, :, G:].astype(STORE_DTYPE),
+                                a.win_v[index.commit_slots][:, :, G:].astype(STORE_DTYPE), view0.layout)
+        pool.write_records(l, index.commit_blocks, tiles)
     committing = set(index.commit_rows)
     for b, view in enumerate(layers):
         if view.offset >= G:
@@ -477,21 +468,18 @@ def attention_dtype(queries: mx.array) -> mx.Dtype:
 
 def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: StepIndex, scale: float) -> mx.array:
     """Decode attention of every row of one layer (queries [B, n_q, 1, D]) in one fused SDPA over
-    [sink | records | tail] gathered from the pool, after ``decode_update``."""
+    [window (sink, tail) | records] read from the pool, after ``decode_update``."""
     view0 = layers[0]
     a = view0.row.pool.layers[view0.l]
     dtype = attention_dtype(queries)
-    keys = [a.sink_k[index.sinks].astype(dtype)]
-    vals = [a.sink_v[index.sinks].astype(dtype)]
+    w = index.windows
+    keys, vals = (a.win_k[w[0]: w[1]], a.win_v[w[0]: w[1]]) if isinstance(w, tuple) else (a.win_k[w], a.win_v[w])
+    keys, vals = keys.astype(dtype), vals.astype(dtype)
     if index.table is not None:
         rec_k, rec_v = dequantize_blocks(view0.row.pool.gather_records(view0.l, index.table), view0.layout, dtype)
-        keys.append(rec_k)
-        vals.append(rec_v)
-    keys.append(a.tail_k[index.slots].astype(dtype))
-    vals.append(a.tail_v[index.slots].astype(dtype))
+        keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
     q = rotate(queries.astype(mx.float32)).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q, mx.concatenate(keys, axis=2), mx.concatenate(vals, axis=2),
-                                               scale=scale, mask=index.mask)
+    out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=index.mask)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
 
 

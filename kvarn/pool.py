@@ -8,8 +8,10 @@ ids) serves all layers, as in vLLM. Three kinds of storage, each with its own id
                           k_r     [N, H, S, G]            f16
                           v_codes [N, H, G, D*bv/32]      uint32   v_alpha/v_beta [N, H, G, S] f16
                           v_c     [N, H, D]               f16
-    sinks (float16)       sink_k / sink_v [Ns, H, G, D]   a row's first G tokens (refcounted: forks share)
-    tails (float16)       tail_k / tail_v [Nt, H, G, D]   a row's uncommitted tokens (one slot per row)
+    windows (float16)     win_k / win_v [Nw, H, 2G, D]     one per row: its sink (first G tokens) at
+                                                           [0, G), its tail (uncommitted tokens) at [G, 2G)
+                                                           (float16 values; held as float32 on the CPU:
+                                                           ``KVLayout.window_dtype``)
 
     block n, head h of k_codes:  [ channel 0: G*bk/32 words | channel 1 | ... | channel W-1 ]  (contiguous)
     block n, head h of v_codes:  [ token 0: D*bv/32 words   | token 1   | ... | token G-1  ]  (contiguous)
@@ -125,14 +127,11 @@ class LayerArrays:
     """One layer's storage (see the module docstring for shapes); allocated at the layer's first write."""
 
     records: dict[str, mx.array] = field(default_factory=dict)
-    sink_k: mx.array | None = None
-    sink_v: mx.array | None = None
-    tail_k: mx.array | None = None
-    tail_v: mx.array | None = None
+    win_k: mx.array | None = None
+    win_v: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
-        out = list(self.records.values())
-        return out + [a for a in (self.sink_k, self.sink_v, self.tail_k, self.tail_v) if a is not None]
+        return list(self.records.values()) + [a for a in (self.win_k, self.win_v) if a is not None]
 
 
 def record_shapes(layout: KVLayout, H: int, D: int) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
@@ -215,8 +214,8 @@ class KVarNPool:
             raise ValueError("KVarNPool needs a kvarn layout")
         self.layout = layout
         self.records = BlockAllocator()
-        self.sinks = BlockAllocator()
-        self.tails = BlockAllocator()
+        self.windows = BlockAllocator()
+        self.window_dtype = getattr(mx, layout.window_dtype)  # float16 values, see KVLayout.window_dtype
         self.layers = [LayerArrays() for _ in range(num_layers)]
         self.shapes: list[tuple[int, int] | None] = [None] * num_layers  # (H, D) per layer
         self.rows_made = 0  # serial numbers for rows (ids of freed Python objects get reused)
@@ -239,8 +238,8 @@ class KVarNPool:
             arrays = self.layers[l]
             arrays.records = {name: mx.zeros((self.records.capacity, *shape), dtype)
                               for name, (shape, dtype) in record_shapes(self.layout, H, D).items()}
-            arrays.sink_k, arrays.sink_v = (mx.zeros((self.sinks.capacity, H, G, D), STORE_DTYPE) for _ in range(2))
-            arrays.tail_k, arrays.tail_v = (mx.zeros((self.tails.capacity, H, G, D), STORE_DTYPE) for _ in range(2))
+            arrays.win_k, arrays.win_v = (mx.zeros((self.windows.capacity, H, 2 * G, D), self.window_dtype)
+                                          for _ in range(2))
         elif self.shapes[l] != (H, D):
             raise ValueError(f"layer {l} holds {self.shapes[l]} heads x channels, not {(H, D)}")
         return self.layers[l]
@@ -250,10 +249,8 @@ class KVarNPool:
         if self.shapes[l] is None:
             return
         a = self.layers[l]
-        if a.sink_k.shape[0] < self.sinks.capacity:
-            a.sink_k, a.sink_v = _grown(a.sink_k, self.sinks.capacity), _grown(a.sink_v, self.sinks.capacity)
-        if a.tail_k.shape[0] < self.tails.capacity:
-            a.tail_k, a.tail_v = _grown(a.tail_k, self.tails.capacity), _grown(a.tail_v, self.tails.capacity)
+        if a.win_k.shape[0] < self.windows.capacity:
+            a.win_k, a.win_v = _grown(a.win_k, self.windows.capacity), _grown(a.win_v, self.windows.capacity)
         if a.records["k_codes"].shape[0] < self.records.capacity:
             a.records = {name: _grown(x, self.records.capacity) for name, x in a.records.items()}
 

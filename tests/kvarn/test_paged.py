@@ -39,10 +39,10 @@ def assert_same_row(view, cache: KVarNKVCache) -> None:
     assert (view.offset, view.tail_len, view.num_tiles) == (cache.offset, cache.tail_len, cache.records.num_tiles)
     a = view.row.pool.layers[view.l]
     row = view.row
-    pairs = [(a.sink_k[row.sink][None, :, : view.sink_len], cache.sink_k[..., : cache.sink_len, :]),
-             (a.sink_v[row.sink][None, :, : view.sink_len], cache.sink_v[..., : cache.sink_len, :]),
-             (a.tail_k[row.slot][None, :, : view.tail_len], cache.tail_k[..., : cache.tail_len, :]),
-             (a.tail_v[row.slot][None, :, : view.tail_len], cache.tail_v[..., : cache.tail_len, :])]
+    pairs = [(a.win_k[row.slot][None, :, : view.sink_len], cache.sink_k[..., : cache.sink_len, :]),
+             (a.win_v[row.slot][None, :, : view.sink_len], cache.sink_v[..., : cache.sink_len, :]),
+             (a.win_k[row.slot][None, :, G: G + view.tail_len], cache.tail_k[..., : cache.tail_len, :]),
+             (a.win_v[row.slot][None, :, G: G + view.tail_len], cache.tail_v[..., : cache.tail_len, :])]
     mine, theirs = pool_records(view), cache.records.view()
     if theirs is not None:
         pairs += [(getattr(mine, f), getattr(theirs, f)) for f in RecordArrays.__dataclass_fields__]
@@ -87,7 +87,7 @@ def test_pool_grows_by_doubling_and_keeps_contents():
         k, v = kv(rng, G * (3 + i) + 5)
         row.layers[0].update_and_fetch(k, v)
         cache.update_and_fetch(k, v)
-    assert pool.records.capacity >= 1 + 2 + 3 + 4 and pool.tails.capacity >= 4
+    assert pool.records.capacity >= 1 + 2 + 3 + 4 and pool.windows.capacity >= 4
     assert pool.layers[0].records["k_codes"].shape[0] == pool.records.capacity
     for row, cache in zip(rows, caches):
         assert_same_row(row.layers[0], cache)
@@ -177,9 +177,9 @@ def test_fork_allocates_no_record_bytes_and_diverges_without_touching_the_parent
     held = pool.records.num_held
     child_cache = fork_rows([parent.layers[0], parent.layers[1]])
     child = child_cache[0].row
-    assert pool.records.num_held == held and child.table == parent.table and child.sink == parent.sink
-    assert all(pool.records.refs[b] == 2 for b in parent.table) and pool.sinks.refs[parent.sink] == 2
-    assert child.slot != parent.slot
+    assert pool.records.num_held == held and child.table == parent.table
+    assert all(pool.records.refs[b] == 2 for b in parent.table)
+    assert child.slot != parent.slot and pool.windows.num_held == 2
     for _ in range(2 * G):  # the child commits two records of its own
         k1, v1 = kv(rng, 1)
         for l in (0, 1):
@@ -191,10 +191,10 @@ def test_fork_allocates_no_record_bytes_and_diverges_without_touching_the_parent
     assert pool.records.num_held == held and all(pool.records.refs[b] == 1 for b in parent.table)
     parent.release()
     parent.release()  # idempotent
-    assert pool.records.num_held == 0 and pool.sinks.num_held == 0 and pool.tails.num_held == 0
+    assert pool.records.num_held == 0 and pool.windows.num_held == 0
 
 
-def test_fork_of_a_short_row_copies_its_partial_sink():
+def test_fork_of_a_short_row_fills_its_own_sink():
     rng = np.random.default_rng(5)
     pool = KVarNPool(LAYOUT, num_layers=1)
     parent = PagedRow(pool, [0])
@@ -203,7 +203,7 @@ def test_fork_of_a_short_row_copies_its_partial_sink():
     parent.layers[0].update_and_fetch(k, v)
     solo.update_and_fetch(k, v)
     child = parent.fork()
-    assert child.sink != parent.sink
+    assert child.slot != parent.slot
     for _ in range(G):
         k1, v1 = kv(rng, 1)
         child.layers[0].update_and_fetch(k1, v1)
@@ -238,7 +238,9 @@ def test_record_blocks_round_trip_through_load_blocks():
 def test_pad_ids_are_never_handed_out():
     pool = KVarNPool(LAYOUT, num_layers=1)
     rows = [PagedRow(pool, [0]) for _ in range(9)]
-    assert PAD not in [r.sink for r in rows] + [r.slot for r in rows]
+    assert PAD not in [r.slot for r in rows]
+    rows[0].table += pool.allocate("records", 5)
+    assert PAD not in rows[0].table
 
 
 @pytest.mark.parametrize("bits", [(4, 2), (3, 3), (8, 4)])
@@ -255,3 +257,29 @@ def test_stacked_key_value_quantizer_is_byte_identical_to_separate_calls(bits):
         for name in got.__dataclass_fields__:
             x, y = np.array(getattr(got, name)), np.array(getattr(want, name))
             assert x.shape == y.shape and x.tobytes() == y.tobytes(), name
+
+
+def test_float32_windows_hold_the_same_float16_values_and_price_exactly():
+    """Where the compute dtype is float32 (the CPU), sink and tail are held as float32: the same
+    float16-rounded values (so the same attention and records), priced by the layout."""
+    rng = np.random.default_rng(8)
+    layout32 = LAYOUT.with_storage_dtype("float32")
+    pool = KVarNPool(layout32, num_layers=1)
+    view = PagedRow(pool, [0]).layers[0]
+    cache = KVarNKVCache(LAYOUT)
+    for n in (100, 90, 1, 1, 70):
+        k, v = kv(rng, n)
+        view.update_and_fetch(k, v)
+        cache.update_and_fetch(k, v)
+        q = mx.array(rng.standard_normal((1, 4, n, D)).astype(np.float32))
+        got = paged_attention(q, view, SCALE, "causal" if n > 1 else None)
+        want = kvarn_attention(q, cache, SCALE, "causal" if n > 1 else None)
+        np.testing.assert_allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-5)
+    a = pool.layers[0]
+    assert a.win_k.dtype == mx.float32
+    sink = np.array(a.win_k[view.row.slot][None, :, :G])
+    assert np.array_equal(sink, np.array(cache.sink_k).astype(np.float32))
+    for x, y in zip(as_record_arrays(pool.gather_records(0, mx.array(view.row.table, dtype=mx.int32))).__dict__.values(),
+                    cache.records.view().__dict__.values()):
+        assert np.array(x).tobytes() == np.array(y).tobytes()
+    assert view.nbytes == layout32.sequence_bytes(view.offset, D, H) == cache.nbytes + 4 * G * H * D * 2
