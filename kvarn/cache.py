@@ -96,10 +96,11 @@ class KVarNKVCache(_BaseCache):
         B, H, L, D = keys.shape
         G = self.layout.tile_size
         start = self.offset
-        k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE)
-        v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE)
+        window = getattr(mx, self.layout.window_dtype)  # float16 values (held as float32 on the CPU)
+        k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE).astype(window)
+        v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE).astype(window)
         if self.sink_k is None:
-            self.sink_k, self.sink_v, self.tail_k, self.tail_v = (mx.zeros((B, H, G, D), STORE_DTYPE)
+            self.sink_k, self.sink_v, self.tail_k, self.tail_v = (mx.zeros((B, H, G, D), window)
                                                                   for _ in range(4))
         used = 0
         if self.offset < G:

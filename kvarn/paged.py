@@ -62,7 +62,13 @@ class PagedRow:
         return self.table[tile]
 
     def blocks_for(self, first: int, n: int) -> list[int]:
-        return [self.block_for(first + i) for i in range(n)]
+        """Blocks of records ``first .. first + n - 1`` (the missing ones taken in one allocation)."""
+        missing = first + n - len(self.table)
+        if missing > 0:
+            if first > len(self.table):
+                raise ValueError(f"record {first} committed before record {len(self.table)}")
+            self.table += self.pool.allocate("records", missing)
+        return self.table[first: first + n]
 
     def fork(self) -> PagedRow:
         """A second row with this history: the table's blocks are shared by count, never copied;

@@ -64,12 +64,14 @@ class BlockAllocator:
         return self.capacity - 1 - len(self.free)
 
     def grow(self, capacity: int) -> None:
-        """More ids; new ones are handed out before any cached free block is evicted."""
+        """More ids: queued after the free blocks without a hash and before the cached ones, so no
+        cached block is evicted while a fresh id is left."""
         if capacity <= self.capacity:
             return
-        new = OrderedDict((i, None) for i in range(self.capacity, capacity))
-        new.update(self.free)
-        self.free = new
+        free = OrderedDict((i, None) for i in self.free if i not in self.hash_of)
+        free.update((i, None) for i in range(self.capacity, capacity))
+        free.update((i, None) for i in self.free if i in self.hash_of)
+        self.free = free
         self.refs += [0] * (capacity - self.capacity)
         self.capacity = capacity
 

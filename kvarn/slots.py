@@ -460,8 +460,9 @@ def make_row_cache(model: nn.Module, stores: Sequence[SlotStore | None], capacit
 
 # On a GPU, MLX's fused decode attention has no kernel for an array mask: a masked batch falls back to
 # matmul + softmax. Past this mean row length, one unmasked fused call per row over exactly its own
-# tokens is faster (H200, 32 rows: 1.19 vs 1.30 ms a layer at 4k, 2.29 vs 4.59 ms at 16k).
-PER_ROW_MIN_TOKENS = 4096
+# tokens is faster (H200, 8B shape, 32 rows: one layer 2.29 vs 4.59 ms at 16k; a whole step 137 vs
+# 205 ms at 16k, but 76 vs 60 ms at 4k, where the per-row calls' host time outweighs the gain).
+PER_ROW_MIN_TOKENS = 8192
 
 
 def attends_per_row(cache: SlotBatch) -> bool:
