@@ -65,7 +65,112 @@ class Block:
         return sum(a.nbytes for a in self.arrays)
 
 
-class KVarNKVCache(_BaseCache):
+class KVarNRowProtocol(_BaseCache):
+    """mlx-lm's cache protocol for a KVarN row (``offset`` tokens, ``tail_len`` of them in the
+    tail, ``layout``): shared by the single-stream cache and the pool's paged rows."""
+
+    offset: int
+    tail_len: int
+    layout: KVLayout
+    chunk: Chunk | None
+    pending: tuple[mx.array, mx.array] | None
+
+    @property
+    def sink_len(self) -> int:
+        return min(self.offset, self.layout.tile_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Remove up to ``n`` newest tokens, from the tail only; returns how many were removed."""
+        removable = self.tail_len if self.offset > self.layout.tile_size else 0
+        n = min(n, removable)
+        self.tail_len -= n
+        self.offset -= n
+        return n
+
+    # --- writing (the row's storage comes from ``_window_for``, ``_write_sink``, ``_append_tail``) ---
+    def write_chunk(self, keys: mx.array, values: mx.array) -> None:
+        """Tokens ``[offset, offset + L)``: rotated and rounded to float16, the first G into the
+        sink, the rest after the tail (committing every full tile); the chunk is kept for
+        attention (``Chunk``)."""
+        if self.pending is not None:  # restored mid-fresh-chunk: the update continues that chunk
+            (pk, pv), self.pending = self.pending, None
+            keys = mx.concatenate([pk, keys.astype(pk.dtype)], axis=2)
+            values = mx.concatenate([pv, values.astype(pv.dtype)], axis=2)
+            self.offset = 0
+        L = keys.shape[2]
+        G = self.layout.tile_size
+        start = self.offset
+        dtype = self._window_for(keys)
+        k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE).astype(dtype)
+        v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE).astype(dtype)
+        used = 0
+        if start < G:
+            used = min(G - start, L)
+            self._write_sink(k_rot[..., :used, :], v_rot[..., :used, :], start)
+        window = (None, None)
+        if used < L:
+            window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
+        fresh = start == 0
+        if fresh or L == 1:  # decode reads the tail itself; a fresh chunk reads its raw keys
+            window = (None, None)
+        window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
+        self.chunk = Chunk(keys, values, fresh=fresh, start=start, window_start=window_start,
+                           window_k=window[0], window_v=window[1])
+        self.offset += L
+
+    # --- blocks (the prefix cache's unit: G tokens each) ---
+    def fresh_blocks(self, start: int, stop: int) -> list[Block]:
+        """Blocks ``[start, stop)`` as "fresh" blocks, from the fresh chunk that just ran (the
+        latest update must be the row's fresh chunk and cover them), as arrays of their own."""
+        G = self.layout.tile_size
+        chunk = self.chunk
+        if chunk is None or not chunk.fresh or stop * G > chunk.keys.shape[2]:
+            raise ValueError("fresh blocks come from the fresh chunk that just ran, within its tokens")
+        return [Block(i, "fresh", (mx.array(chunk.keys[..., i * G:(i + 1) * G, :]),
+                                   mx.array(chunk.values[..., i * G:(i + 1) * G, :]))) for i in range(start, stop)]
+
+    def fill_from_blocks(self, blocks: list[Block], continue_fresh: bool = False) -> None:
+        """Fill this empty row with ``blocks`` 0, 1, ... (see ``KVarNKVCache.from_blocks``)."""
+        kinds = [b.kind for b in blocks]
+        fresh = kinds.count("fresh")
+        lead = max(fresh, 1)  # the fresh run, or the sink
+        if self.offset or not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
+                or kinds[:lead] != (["fresh"] * fresh if fresh else ["sink"]) \
+                or any(kind != "record" for kind in kinds[lead:]):
+            raise ValueError("blocks must be the sink (or fresh blocks) then records, in order from block 0, "
+                             "into an empty row")
+        if fresh:
+            keys = mx.concatenate([b.arrays[0] for b in blocks[:fresh]], axis=2)
+            values = mx.concatenate([b.arrays[1] for b in blocks[:fresh]], axis=2)
+            if continue_fresh:
+                if fresh != len(blocks):
+                    raise ValueError("only a row of fresh blocks can continue its fresh chunk")
+                self.pending = (keys, values)
+                self.offset = keys.shape[2]
+                return
+            self.update_and_fetch(keys, values)
+            self.chunk = None
+        else:
+            self._load_sink(*blocks[0].arrays)
+        if blocks[lead:]:
+            self._load_records(blocks[lead:])
+        self.offset = len(blocks) * self.layout.tile_size
+
+
+
+class KVarNKVCache(KVarNRowProtocol):
     """Invariants: ``offset`` = tokens seen; sink holds ``min(offset, G)`` of them; records hold
     ``records.num_tiles * G``; the tail holds the rest (< G). Trim is tail-only: tokens already
     in the sink or in a committed record cannot be removed (``trim`` stops at that boundary)."""
@@ -88,36 +193,20 @@ class KVarNKVCache(_BaseCache):
 
     # --- writing ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        if self.pending is not None:  # restored mid-fresh-chunk: the update continues that chunk
-            (pk, pv), self.pending = self.pending, None
-            keys = mx.concatenate([pk, keys.astype(pk.dtype)], axis=2)
-            values = mx.concatenate([pv, values.astype(pv.dtype)], axis=2)
-            self.offset = 0
-        B, H, L, D = keys.shape
-        G = self.layout.tile_size
-        start = self.offset
-        window = getattr(mx, self.layout.window_dtype)  # float16 values (held as float32 on the CPU)
-        k_rot = rotate(keys.astype(mx.float32)).astype(STORE_DTYPE).astype(window)
-        v_rot = rotate(values.astype(mx.float32)).astype(STORE_DTYPE).astype(window)
-        if self.sink_k is None:
-            self.sink_k, self.sink_v, self.tail_k, self.tail_v = (mx.zeros((B, H, G, D), window)
-                                                                  for _ in range(4))
-        used = 0
-        if self.offset < G:
-            used = min(G - self.offset, L)
-            self.sink_k = _write(self.sink_k, k_rot[..., :used, :], self.offset)
-            self.sink_v = _write(self.sink_v, v_rot[..., :used, :], self.offset)
-        window = (None, None)
-        if used < L:
-            window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
-        fresh = start == 0
-        if fresh or L == 1:  # decode reads the tail itself; a fresh chunk reads its raw keys
-            window = (None, None)
-        window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
-        self.chunk = Chunk(keys, values, fresh=fresh, start=start, window_start=window_start,
-                           window_k=window[0], window_v=window[1])
-        self.offset += L
+        self.write_chunk(keys, values)
         return self, self
+
+    def _window_for(self, keys: mx.array) -> mx.Dtype:
+        B, H, _, D = keys.shape
+        window = getattr(mx, self.layout.window_dtype)  # float16 values (held as float32 on the CPU)
+        if self.sink_k is None:
+            self.sink_k, self.sink_v, self.tail_k, self.tail_v = (mx.zeros((B, H, self.layout.tile_size, D), window)
+                                                                  for _ in range(4))
+        return window
+
+    def _write_sink(self, k_rot: mx.array, v_rot: mx.array, start: int) -> None:
+        self.sink_k = _write(self.sink_k, k_rot, start)
+        self.sink_v = _write(self.sink_v, v_rot, start)
 
     def _append_tail(self, k_new: mx.array, v_new: mx.array) -> tuple[mx.array, mx.array]:
         """Add rotated tokens after the tail, committing every full tile; returns the tail as it
@@ -175,16 +264,6 @@ class KVarNKVCache(_BaseCache):
             out.append(Block(i, "record", tuple(mx.array(a) for a in arrays) if copy else arrays))
         return out
 
-    def fresh_blocks(self, start: int, stop: int) -> list[Block]:
-        """Blocks ``[start, stop)`` as "fresh" blocks, from the fresh chunk that just ran (the
-        latest update must be the row's fresh chunk and cover them). Copies, as above."""
-        G = self.layout.tile_size
-        chunk = self.chunk
-        if chunk is None or not chunk.fresh or stop * G > chunk.keys.shape[2]:
-            raise ValueError("fresh blocks come from the fresh chunk that just ran, within its tokens")
-        return [Block(i, "fresh", (mx.array(chunk.keys[..., i * G:(i + 1) * G, :]),
-                                   mx.array(chunk.values[..., i * G:(i + 1) * G, :]))) for i in range(start, stop)]
-
     @classmethod
     def from_blocks(cls, layout: KVLayout, blocks: list[Block], continue_fresh: bool = False) -> KVarNKVCache:
         """A row holding exactly ``blocks`` (``len(blocks) * G`` tokens, empty tail): what the
@@ -197,62 +276,18 @@ class KVarNKVCache(_BaseCache):
         chunk goes on past them): then they stay raw (``pending``) and the row's next update
         prepends them, so the restored prompt continues the fresh chunk in full precision
         exactly as a run without the cache does."""
-        kinds = [b.kind for b in blocks]
-        fresh = kinds.count("fresh")
-        lead = max(fresh, 1)  # the fresh run, or the sink
-        if not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
-                or kinds[:lead] != (["fresh"] * fresh if fresh else ["sink"]) \
-                or any(kind != "record" for kind in kinds[lead:]):
-            raise ValueError("blocks must be the sink (or fresh blocks) then records, in order from block 0")
         cache = cls(layout)
-        if fresh:
-            keys = mx.concatenate([b.arrays[0] for b in blocks[:fresh]], axis=2)
-            values = mx.concatenate([b.arrays[1] for b in blocks[:fresh]], axis=2)
-            if continue_fresh:
-                if fresh != len(blocks):
-                    raise ValueError("only a row of fresh blocks can continue its fresh chunk")
-                cache.pending = (keys, values)
-                cache.offset = keys.shape[2]
-                return cache
-            cache.update_and_fetch(keys, values)
-            cache.chunk = None
-        else:
-            cache.sink_k, cache.sink_v = blocks[0].arrays
-            cache.tail_k, cache.tail_v = mx.zeros_like(cache.sink_k), mx.zeros_like(cache.sink_v)
-            cache.offset = layout.tile_size
-        records = blocks[lead:]
-        if records:  # one concatenation per field for all the records
-            fields = {name: mx.concatenate([b.arrays[j] for b in records], axis=TILE_AXIS[name])
-                      for j, name in enumerate(RecordArrays.__dataclass_fields__)}
-            cache.records.append(RecordArrays(**fields), len(records))
-        cache.offset = len(blocks) * layout.tile_size
+        cache.fill_from_blocks(blocks, continue_fresh)
         return cache
 
-    # --- reading (for kvarn.attention) ---
-    @property
-    def sink_len(self) -> int:
-        return min(self.offset, self.layout.tile_size)
+    def _load_sink(self, sink_k: mx.array, sink_v: mx.array) -> None:
+        self.sink_k, self.sink_v = sink_k, sink_v
+        self.tail_k, self.tail_v = mx.zeros_like(sink_k), mx.zeros_like(sink_v)
 
-    # --- mlx-lm cache protocol ---
-    def size(self) -> int:
-        return self.offset
-
-    def empty(self) -> bool:
-        return self.offset == 0
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        """Remove up to ``n`` newest tokens, from the tail only; returns how many were removed."""
-        removable = self.tail_len if self.offset > self.layout.tile_size else 0
-        n = min(n, removable)
-        self.tail_len -= n
-        self.offset -= n
-        return n
+    def _load_records(self, records: list[Block]) -> None:
+        fields = {name: mx.concatenate([b.arrays[j] for b in records], axis=TILE_AXIS[name])
+                  for j, name in enumerate(RecordArrays.__dataclass_fields__)}  # one concatenation per field
+        self.records.append(RecordArrays(**fields), len(records))
 
     @property
     def nbytes(self) -> int:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from kvarn.cache import Block, Chunk
+from kvarn.cache import Block, Chunk, KVarNRowProtocol
+from kvarn.batch import BatchRows
 from kvarn.layout import KVLayout
 from kvarn.pool import PAD, RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, quantize_blocks
 from kvarn.quantize import rotate
@@ -134,7 +134,7 @@ def _block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
             "v_codes": v_codes[0, :, 0], "v_alpha": v_alpha[0, :, 0], "v_beta": v_beta[0, :, 0], "v_c": v_c[0, :, 0]}
 
 
-class PagedLayer(_BaseCache):
+class PagedLayer(KVarNRowProtocol):
     """Layer ``l`` of a paged row, speaking mlx-lm's cache protocol (one row's prompt chunks run
     through it; decode runs through ``PagedBatch``). Invariants as ``KVarNKVCache``: ``offset`` =
     tokens seen; the sink holds ``min(offset, G)``; ``num_tiles`` records hold ``num_tiles * G``;
@@ -153,44 +153,24 @@ class PagedLayer(_BaseCache):
     def layout(self) -> KVLayout:
         return self.row.pool.layout
 
-    @property
-    def sink_len(self) -> int:
-        return min(self.offset, self.layout.tile_size)
-
     # --- writing (one row, any number of tokens) ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if self.pending is None and keys.shape[2] == 1 and self.offset > 0:
             decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
             self.chunk = None
             return self, self
-        if self.pending is not None:
-            (pk, pv), self.pending = self.pending, None
-            keys = mx.concatenate([pk, keys.astype(pk.dtype)], axis=2)
-            values = mx.concatenate([pv, values.astype(pv.dtype)], axis=2)
-            self.offset = 0
-        _, H, L, D = keys.shape
-        G = self.layout.tile_size
-        pool, row = self.row.pool, self.row
-        a = pool.ensure_layer(self.l, H, D)
-        start = self.offset
-        k_rot = _rounded(keys, pool.window_dtype)
-        v_rot = _rounded(values, pool.window_dtype)
-        used = 0
-        if start < G:
-            used = min(G - start, L)
-            a.win_k[row.slot: row.slot + 1, :, start: start + used] = k_rot[..., :used, :]
-            a.win_v[row.slot: row.slot + 1, :, start: start + used] = v_rot[..., :used, :]
-        window = (None, None)
-        if used < L:
-            window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
-        fresh = start == 0
-        if fresh or L == 1:
-            window = (None, None)
-        window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
-        self.chunk = Chunk(keys, values, fresh=fresh, start=start, window_start=window_start,
-                           window_k=window[0], window_v=window[1])
-        self.offset += L
+        self.write_chunk(keys, values)
         return self, self
+
+    def _window_for(self, keys: mx.array) -> mx.Dtype:
+        _, H, _, D = keys.shape
+        self.row.pool.ensure_layer(self.l, H, D)
+        return self.row.pool.window_dtype
+
+    def _write_sink(self, k_rot: mx.array, v_rot: mx.array, start: int) -> None:
+        a, s = self.row.pool.layers[self.l], self.row.slot
+        a.win_k[s: s + 1, :, start: start + k_rot.shape[2]] = k_rot
+        a.win_v[s: s + 1, :, start: start + v_rot.shape[2]] = v_rot
 
     def _append_tail(self, k_new: mx.array, v_new: mx.array) -> tuple[mx.array, mx.array]:
         """Tokens after the tail, committing every full tile into its block; returns the tail as it
@@ -242,76 +222,24 @@ class PagedLayer(_BaseCache):
             out.append(Block(i, "record", _single_tile(fields)))
         return out
 
-    def fresh_blocks(self, start: int, stop: int) -> list[Block]:
-        """Blocks ``[start, stop)`` of the fresh chunk that just ran, raw (as ``KVarNKVCache``)."""
-        G = self.layout.tile_size
-        chunk = self.chunk
-        if chunk is None or not chunk.fresh or stop * G > chunk.keys.shape[2]:
-            raise ValueError("fresh blocks come from the fresh chunk that just ran, within its tokens")
-        return [Block(i, "fresh", (mx.array(chunk.keys[..., i * G:(i + 1) * G, :]),
-                                   mx.array(chunk.values[..., i * G:(i + 1) * G, :]))) for i in range(start, stop)]
-
     def load_blocks(self, blocks: list[Block], continue_fresh: bool = False) -> PagedLayer:
-        """Fill this (empty) layer with ``blocks`` 0, 1, ... (the sink or fresh blocks, then
-        records), byte for byte what the row that made them held; see
-        ``KVarNKVCache.from_blocks`` for ``continue_fresh``."""
-        kinds = [b.kind for b in blocks]
-        fresh = kinds.count("fresh")
-        lead = max(fresh, 1)
-        if self.offset or not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
-                or kinds[:lead] != (["fresh"] * fresh if fresh else ["sink"]) \
-                or any(kind != "record" for kind in kinds[lead:]):
-            raise ValueError("blocks must be the sink (or fresh blocks) then records, in order from block 0, "
-                             "into an empty row")
-        G = self.layout.tile_size
-        if fresh:
-            keys = mx.concatenate([b.arrays[0] for b in blocks[:fresh]], axis=2)
-            values = mx.concatenate([b.arrays[1] for b in blocks[:fresh]], axis=2)
-            if continue_fresh:
-                if fresh != len(blocks):
-                    raise ValueError("only a row of fresh blocks can continue its fresh chunk")
-                self.pending = (keys, values)
-                self.offset = keys.shape[2]
-                return self
-            self.update_and_fetch(keys, values)
-            self.chunk = None
-        else:
-            sink_k, sink_v = blocks[0].arrays
-            _, H, _, D = sink_k.shape
-            a = self.row.pool.ensure_layer(self.l, H, D)
-            s = self.row.slot
-            a.win_k[s: s + 1, :, :G] = sink_k.astype(STORE_DTYPE).astype(a.win_k.dtype)
-            a.win_v[s: s + 1, :, :G] = sink_v.astype(STORE_DTYPE).astype(a.win_v.dtype)
-            self.offset = G
-        records = blocks[lead:]
-        if records:
-            fields = [_block_major(b.arrays) for b in records]
-            stacked = {name: mx.stack([f[name] for f in fields]) for name in RECORD_FIELDS}
-            ids = self.row.blocks_for(self.num_tiles, len(records))
-            self.row.pool.write_records(self.l, ids, stacked)
-            self.num_tiles += len(records)
-        self.offset = len(blocks) * G
+        """This (empty) layer filled with ``blocks`` 0, 1, ... (the sink or fresh blocks, then
+        records), byte for byte what the row that made them held (``KVarNKVCache.from_blocks``)."""
+        self.fill_from_blocks(blocks, continue_fresh)
         return self
 
-    # --- mlx-lm cache protocol ---
-    def size(self) -> int:
-        return self.offset
+    def _load_sink(self, sink_k: mx.array, sink_v: mx.array) -> None:
+        _, H, G, D = sink_k.shape
+        a = self.row.pool.ensure_layer(self.l, H, D)
+        s = self.row.slot
+        a.win_k[s: s + 1, :, :G] = sink_k.astype(STORE_DTYPE).astype(a.win_k.dtype)
+        a.win_v[s: s + 1, :, :G] = sink_v.astype(STORE_DTYPE).astype(a.win_v.dtype)
 
-    def empty(self) -> bool:
-        return self.offset == 0
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        removable = self.tail_len if self.offset > self.layout.tile_size else 0
-        n = min(n, removable)
-        self.tail_len -= n
-        self.offset -= n
-        return n
+    def _load_records(self, records: list[Block]) -> None:
+        fields = [_block_major(b.arrays) for b in records]
+        stacked = {name: mx.stack([f[name] for f in fields]) for name in RECORD_FIELDS}
+        self.row.pool.write_records(self.l, self.row.blocks_for(self.num_tiles, len(records)), stacked)
+        self.num_tiles += len(records)
 
     def release(self) -> None:
         self.row.release()
@@ -489,29 +417,30 @@ def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: Ste
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
-class PagedBatch(_BaseCache):
-    """Layer ``l`` of the rows decoding together: one graph for all of them. Rows join
-    (``extend``) and leave (``filter``) between steps; nothing of theirs is copied."""
+class PagedBatch(BatchRows):
+    """Layer ``l`` of the rows decoding together: one graph for all of them (the seam sends it to
+    ``paged_attention``, never row by row). Rows join (``extend``) and leave (``filter``) between
+    steps; nothing of theirs is copied."""
+
+    row_type = PagedLayer
 
     def __init__(self, rows: Iterable[PagedLayer] = ()) -> None:
-        self.rows: list[PagedLayer] = []
         self.index: StepIndex | None = None
-        self.extend(rows)
+        super().__init__(rows)
 
     def extend(self, rows: Iterable[PagedLayer]) -> None:
+        rows = list(rows)
         for row in rows:
             if not isinstance(row, PagedLayer):
                 raise TypeError(f"PagedBatch takes PagedLayer rows, not {type(row).__name__}")
-            if self.rows and (row.row.pool is not self.rows[0].row.pool or row.l != self.rows[0].l):
-                raise ValueError("a paged batch holds one layer of one pool")
-            self.rows.append(row)
+        anchor = (self.rows or rows)[:1]
+        if anchor and any(r.row.pool is not anchor[0].row.pool or r.l != anchor[0].l for r in rows):
+            raise ValueError("a paged batch holds one layer of one pool")
+        super().extend(rows)
 
     def filter(self, keep: Sequence[int]) -> None:
-        self.rows = [self.rows[i] for i in keep]
+        super().filter(keep)
         self.index = None
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
     @property
     def offset(self) -> mx.array:
@@ -525,23 +454,6 @@ class PagedBatch(_BaseCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         return None  # the validity mask is the step index's
-
-    def size(self) -> int:
-        return max((row.offset for row in self.rows), default=0)
-
-    def empty(self) -> bool:
-        return all(row.offset == 0 for row in self.rows)
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    @property
-    def nbytes(self) -> int:
-        return sum(row.nbytes for row in self.rows)
-
-    @property
-    def state(self) -> list[Any]:
-        raise NotImplementedError("a batch has no state of its own: its rows live in the pool")
 
 
 def paged_attention(queries: mx.array, cache: PagedLayer | PagedBatch, scale: float, mask: Any) -> mx.array:
