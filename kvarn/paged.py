@@ -54,12 +54,7 @@ class PagedRow:
 
     def block_for(self, tile: int) -> int:
         """The block of record ``tile`` (taken from the pool by the first layer that commits it)."""
-        if tile < len(self.table):
-            return self.table[tile]
-        if tile != len(self.table):
-            raise ValueError(f"record {tile} committed before record {len(self.table)}")
-        self.table += self.pool.allocate("records", 1)
-        return self.table[tile]
+        return self.blocks_for(tile, 1)[0]
 
     def blocks_for(self, first: int, n: int) -> list[int]:
         """Blocks of records ``first .. first + n - 1`` (the missing ones taken in one allocation)."""
@@ -74,24 +69,16 @@ class PagedRow:
         """A second row with this history: the table's blocks are shared by count, never copied;
         the window (2G float16 tokens: sink and tail) is copied into the fork's own slot."""
         pool = self.pool
-        child = PagedRow.__new__(PagedRow)
-        child.pool, child.released = pool, False
-        pool.rows_made += 1
-        child.serial = pool.rows_made
+        child = PagedRow(pool, self.layers)
         child.table = list(self.table)
         pool.records.incref(child.table)
-        child.slot = pool.allocate("windows", 1)[0]
-        for l in self.layers:
-            if pool.shapes[l] is None:
-                continue
-            a = pool.layers[l]
-            a.win_k, a.win_v = (_copy_slot(x, self.slot, child.slot) for x in (a.win_k, a.win_v))
-        child.layers = {}
         for l, view in self.layers.items():
-            other = PagedLayer(child, l)
+            if pool.shapes[l] is not None:
+                a = pool.layers[l]
+                a.win_k, a.win_v = (_copy_slot(x, self.slot, child.slot) for x in (a.win_k, a.win_v))
+            other = child.layers[l]
             other.offset, other.tail_len, other.num_tiles, other.pending = (view.offset, view.tail_len,
                                                                            view.num_tiles, view.pending)
-            child.layers[l] = other
         return child
 
     def release(self) -> None:
@@ -210,7 +197,7 @@ class PagedLayer(KVarNRowProtocol):
         rec_k, rec_v = dequantize_blocks(self.row.pool.gather_records(self.l, table), self.layout, dtype)
         return sink_k, sink_v, rec_k, rec_v
 
-    def record_blocks(self, start: int, stop: int, copy: bool = True) -> list[Block]:
+    def record_blocks(self, start: int, stop: int) -> list[Block]:
         """Blocks ``[start, stop)`` (``start >= 1``: block i is record i - 1) in the prefix
         cache's format, as arrays of their own (gathered from the pool)."""
         if start < 1 or stop - 1 > self.num_tiles:
