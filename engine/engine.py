@@ -148,13 +148,12 @@ class Engine:
         self.scheduler = Scheduler(config or SchedulerConfig(), self._price,
                                    lookup=self._lookup if prefix is not None else None)
         self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
-                                  restore=self._make_row if prefix is not None else None)
+                                  restore=prefix.make_row if prefix is not None else None)
         # rows that cannot be cut at blocks (sliding windows, recurrent state) end prompt chunks
         # where the checkpoint tier snapshots them, with or without the cache (same numbers)
         self.cuts_for_snapshots = not exact_tier_possible(make_cache(loaded.model, layout))
         self.requests: dict[RequestId, Request] = {}
         self._outputs: dict[RequestId, OutputState] = {}
-        self._restores: dict[RequestId, Restore] = {}
         self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
 
     def _price(self, request: Request, n: int) -> Reservation:
@@ -164,23 +163,13 @@ class Engine:
         return self.pricing.reserved_tokens(request.num_prompt_tokens, request.params.max_tokens)
 
     # --- prefix cache ---
-    def _lookup(self, request: Request) -> int:
-        """At admission: the longest cached prefix (kept until the runner makes the row)."""
+    def _lookup(self, request: Request) -> Restore | None:
+        """At admission: the longest cached prefix (the plan's first chunk carries it to the runner)."""
         try:
-            restore = self.prefix.lookup(request)
+            return self.prefix.lookup(request)
         except Exception:  # a cache failure is a miss, never a failed request
             logger.exception("prefix cache lookup failed")
-            return 0
-        if restore is None:
-            return 0
-        self._restores[request.request_id] = restore
-        return restore.tokens
-
-    def _make_row(self, request: Request, fresh: list) -> list | None:
-        restore = self._restores.pop(request.request_id, None)
-        if restore is None:
             return None
-        return self.prefix.make_row(restore, fresh)
 
     def close(self) -> None:
         """Finish the prefix cache's disk writes (shutdown)."""
@@ -305,7 +294,6 @@ class Engine:
 
     def _forget(self, request: Request) -> None:
         self.runner.free((request.request_id,))
-        self._restores.pop(request.request_id, None)
         if self.prefix is not None:
             self.prefix.forget(request.request_id)
         self.requests.pop(request.request_id, None)

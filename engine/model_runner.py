@@ -79,8 +79,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
                  capacity: Any = None, restore: Any = None) -> None:
         """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
-        once); ``restore(request, fresh)`` fills the fresh row from the prefix cache (returns
-        it) or returns None; ``batch_decode`` False runs each decoding row alone (models whose
+        once); ``restore(hit, fresh)`` fills a fresh row from a prefix-cache hit that a plan's
+        chunk carries (``PrefillChunk.restore``) and returns it; ``batch_decode`` False runs each decoding row alone (models whose
         caches cannot be batched, e.g. recurrent layers)."""
         self.loaded = loaded
         self.layout = layout
@@ -126,7 +126,7 @@ class ModelRunner:
     def _prefill(self, chunk: PrefillChunk, requests: Mapping[RequestId, Request],
                  pending: dict[RequestId, SampleArrays]) -> None:
         request = requests[chunk.request_id]
-        row = self.rows.get(chunk.request_id) or self._new_row(request)
+        row = self.rows.get(chunk.request_id) or self._new_row(request, chunk.restore)
         tokens = mx.array(request.prompt_ids[chunk.start_idx: chunk.end_idx], dtype=mx.int32)[None]
         logits = self.loaded.model(tokens, cache=row.cache)[0, -1]
         if self.store.in_place:  # settled now, so the next write to the shared buffers is in place
@@ -159,16 +159,17 @@ class ModelRunner:
             row = self.rows[request_id]
             pending[request_id] = sample(logits[b], row.params, row.sampler)
 
-    def _new_row(self, request: Request) -> Row:
+    def _new_row(self, request: Request, hit: Any = None) -> Row:
         capacity = self.capacity(request) if self.capacity is not None else None
-        fresh = self.store.new_row(capacity)
-        try:
-            restored = self.restore(request, fresh) if self.restore is not None else None
-        except Exception:
-            self.store.release(fresh)
-            raise
+        cache = self.store.new_row(capacity)
+        if hit is not None:
+            try:
+                cache = self.restore(hit, cache)
+            except Exception:
+                self.store.release(cache)
+                raise
         row = Row(
-            cache=restored if restored is not None else fresh,
+            cache=cache,
             sampler=make_sampler_state(request.params, self.loaded.vocab_size),
             params=request.params,
         )

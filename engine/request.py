@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -78,6 +79,7 @@ class Request:
     snapshot_at: tuple[int, ...] = ()  # prompt lengths worth a whole-row snapshot (checkpoint tier)
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     looked_up: bool = False  # the prefix cache was asked (once, at admission)
+    prefix_hit: Any = None  # what that lookup found, until the request's first chunk carries it
 
     @property
     def num_prompt_tokens(self) -> int:

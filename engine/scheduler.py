@@ -27,14 +27,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, RequestStatus
 from engine.step_types import PrefillChunk, StepPlan, StepResult
 
 PriceFn = Callable[[Request, int], Reservation]  # (request, number of choices) -> reservation
-LookupFn = Callable[[Request], int]  # request -> prompt tokens restored from the prefix cache
+LookupFn = Callable[[Request], Any]  # request -> a prefix-cache hit (its ``tokens`` restored) or None
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,14 @@ class Scheduler:
                 break
             if self.lookup is not None and not request.looked_up:  # once, when it could run now
                 request.looked_up = True
-                request.num_cached_tokens = request.num_computed_tokens = self.lookup(request)
+                request.prefix_hit = self.lookup(request)
+                hit_tokens = request.prefix_hit.tokens if request.prefix_hit is not None else 0
+                request.num_cached_tokens = request.num_computed_tokens = hit_tokens
             chunk = self._chunk(request)
             if chunk.num_tokens > budget:
                 break
+            if request.prefix_hit is not None:  # the first chunk takes the hit to the runner
+                chunk, request.prefix_hit = replace(chunk, restore=request.prefix_hit), None
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

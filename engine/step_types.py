@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.request import RequestId, TokenLogprob
 
@@ -11,7 +12,9 @@ from engine.request import RequestId, TokenLogprob
 class PrefillChunk:
     """Prompt tokens ``[start_idx, end_idx)`` of one request; ``is_last`` samples a token, and
     then each request in ``forks`` (the other choices of ``n > 1``) becomes a row sharing this
-    row's history and samples its own first token from the same logits.
+    row's history and samples its own first token from the same logits. A request's first
+    chunk after a prefix-cache hit carries the hit (``restore``, opaque here: the engine's
+    ``PrefixReuse`` made it), and its row is rebuilt from it before the chunk runs.
 
     prompt:  |<- computed ->|<-- this chunk -->|<- later chunks ->|
              0          start_idx          end_idx           len(prompt)
@@ -22,6 +25,7 @@ class PrefillChunk:
     end_idx: int
     is_last: bool
     forks: tuple[RequestId, ...] = ()
+    restore: Any = None  # a request's first chunk: the prefix-cache hit its row is rebuilt from
 
     @property
     def num_tokens(self) -> int:

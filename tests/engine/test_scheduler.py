@@ -253,3 +253,32 @@ def test_a_fork_needs_its_parent_waiting():
     s = priced(10_000)
     with pytest.raises(ValueError):
         s.add(fork("x-1", req("x", 4), 1))
+
+
+def test_a_prefix_hit_rides_on_the_requests_first_chunk_even_after_waiting():
+    """The lookup runs once, when the request could run; its hit is carried by the plan's first
+    chunk of that request (the runner rebuilds the row from it), also when the chunk had to wait."""
+    class Hit:
+        tokens = 128
+
+    hit = Hit()
+    looked = []
+
+    def lookup(request: Request):
+        looked.append(request.request_id)
+        return hit if request.request_id == "b" else None
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=260, prefill_chunk_size=256),
+                  lookup=lookup)
+    a, b = req("a", 250), req("b", 300)
+    s.add(a)
+    s.add(b)
+    plan = s.plan()  # a's chunk (250) leaves 10 tokens: b is looked up, its chunk [128, 256) waits
+    assert plan.prefills == (PrefillChunk("a", 0, 250, True),) and looked == ["a", "b"]
+    assert b.num_cached_tokens == 128 and b.status == RequestStatus.WAITING
+    s.update(plan, sample_all(plan))
+    plan = s.plan()
+    assert plan.prefills == (PrefillChunk("b", 128, 256, False, restore=hit),) and looked == ["a", "b"]
+    s.update(plan, sample_all(plan))
+    plan = s.plan()
+    assert plan.prefills == (PrefillChunk("b", 256, 300, True),)  # later chunks carry nothing

@@ -47,10 +47,12 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def pricing(dtype_bytes: int) -> Pricing:
     """The price list the engine builds for the bundled model (KVarN k4v2, tile 128): every layer a
-    plain attention layer whose cache holds ``dtype_bytes``-wide keys (the compute dtype)."""
+    plain attention layer whose cache holds ``dtype_bytes``-wide keys (the compute dtype; a float32
+    compute dtype also holds the KVarN window as float32: ``KVLayout.window_dtype``)."""
     config = json.loads((MODEL_DIR / "config.json").read_text())
     layer = LayerSpec("layout", config["num_key_value_heads"], config["head_dim"], dtype_bytes)
-    return Pricing(KVLayout.kvarn("k4v2", 128), (layer,) * config["num_hidden_layers"],
+    layout = KVLayout.kvarn("k4v2", 128).with_storage_dtype("float32" if dtype_bytes == 4 else "float16")
+    return Pricing(layout, (layer,) * config["num_hidden_layers"],
                    config["num_attention_heads"], config["max_position_embeddings"], PREFILL_CHUNK)
 
 
