@@ -27,6 +27,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from engine.loader import resolve_dtype
 from engine.pricing import LayerSpec, Pricing
 from kvarn.layout import KVLayout
 from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, client_of, metric, post_json, \
@@ -62,14 +63,12 @@ def chat_prompt_tokens(tokenizer: Tokenizer, content: str) -> int:
 
 def budget_for_two(prompt_tokens: int, max_tokens: int) -> int:
     """A budget in which two requests of this size run at once but never a third: two whole
-    reservations (KV + prefill transient) fit, and two KV shares plus a third reservation do not.
-    Valid whatever the compute dtype (float32 on this CPU; float16/bfloat16 elsewhere)."""
-    lows, highs = [], []
-    for dtype_bytes in (2, 4):
-        r = pricing(dtype_bytes).reservation(prompt_tokens, max_tokens)
-        lows.append(2 * r.total)
-        highs.append(2 * r.kv + r.total)
-    low, high = max(lows), min(highs)
+    reservations (KV + prefill transient) fit, and two KV shares plus a third reservation do not,
+    at the compute dtype the server will run (``--dtype auto`` on this machine's backend: float32
+    on a CPU, whose KVarN window is then float32 too)."""
+    dtype_bytes = _DTYPE_BYTES[resolve_dtype("auto") or "float16"]
+    r = pricing(dtype_bytes).reservation(prompt_tokens, max_tokens)
+    low, high = 2 * r.total, 2 * r.kv + r.total
     assert low < high, (low, high)
     return (low + high) // 2
 
