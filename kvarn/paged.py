@@ -49,6 +49,7 @@ class PagedRow:
         self.serial = pool.rows_made
         self.table: list[int] = []
         self.slot = pool.allocate("windows", 1)[0]
+        pool.window_rows[self.slot] = self
         self.released = False
         self.layers = {l: PagedLayer(self, l) for l in layer_ids}
 
@@ -88,6 +89,7 @@ class PagedRow:
         self.released = True
         self.pool.records.decref(self.table)
         self.pool.windows.decref([self.slot])
+        del self.pool.window_rows[self.slot]
         self.table = []
 
 
@@ -333,8 +335,52 @@ def step_index(layers: Sequence[PagedLayer]) -> StepIndex:
     memo = layers[0].row.pool.__dict__.setdefault("_step_memo", _IndexMemo())
     key = tuple((v.row.serial, v.offset, v.tail_len, v.num_tiles) for v in layers)
     if memo.key != key:
+        place_windows([v.row for v in layers])
         memo.key, memo.value = key, _step_index(layers)
     return memo.value
+
+
+def place_windows(rows: Sequence[PagedRow]) -> None:
+    """Give a decode batch's rows consecutive windows in batch order, so every layer reads them
+    as one slice instead of a gather (on MLX's CPU a gathered batch made a step ~3x slower).
+
+    The batch takes the range of windows that starts at its lowest one; a row whose window is
+    elsewhere swaps windows with whatever holds its target (another batch row, a row still
+    prefilling, or a free window). Nothing moves while the rows sit in order (the steady state:
+    rows join at the end, windows are handed out lowest first); after a membership change each
+    moved window (2G tokens a layer) is copied once."""
+    pool = rows[0].pool
+    lo = min(r.slot for r in rows)
+    if all(r.slot == lo + b for b, r in enumerate(rows)) or lo + len(rows) > pool.windows.capacity:
+        return
+    origin: dict[int, int] = {}  # window -> the window whose tokens end up there
+
+    def swap(x: int, y: int) -> None:
+        origin[x], origin[y] = origin.get(y, y), origin.get(x, x)
+
+    for b, row in enumerate(rows):
+        src, target = row.slot, lo + b
+        if src == target:
+            continue
+        holder = pool.window_rows.get(target)
+        swap(src, target)
+        row.slot, pool.window_rows[target] = target, row
+        if holder is not None:
+            holder.slot, pool.window_rows[src] = src, holder
+        else:  # a free window: the allocator follows the move
+            del pool.window_rows[src]
+            pool.windows.refs[target], pool.windows.refs[src] = pool.windows.refs[src], 0
+            del pool.windows.free[target]
+            pool.windows.free[src] = None
+    moved = [(d, o) for d, o in origin.items() if d != o]
+    dst = mx.array([d for d, _ in moved], dtype=mx.int32)
+    src = mx.array([o for _, o in moved], dtype=mx.int32)
+    for l, shape in enumerate(pool.shapes):
+        if shape is not None:
+            a = pool.layers[l]
+            pieces = [a.win_k[src], a.win_v[src]]
+            mx.eval(pieces)  # copied out first, so the writes below update the buffers in place
+            a.win_k[dst], a.win_v[dst] = pieces
 
 
 def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array) -> StepIndex:

@@ -51,7 +51,8 @@ class BlockAllocator:
     Invariants: every id > 0 is either held (count > 0) or in the free queue, never both; a hashed
     block is in ``by_hash`` exactly while it has its hash (held, or free and not yet reused)."""
 
-    def __init__(self, capacity: int = 1) -> None:
+    def __init__(self, capacity: int = 1, lowest_first: bool = False) -> None:
+        self.lowest_first = lowest_first  # hand out the lowest free id (ids without hashes: windows)
         self.capacity = max(capacity, 1)
         self.refs: list[int] = [0] * self.capacity
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, self.capacity))
@@ -82,7 +83,11 @@ class BlockAllocator:
             raise MemoryError(f"{n} blocks asked, {len(self.free)} free")
         out = []
         for _ in range(n):
-            block, _ = self.free.popitem(last=False)
+            if self.lowest_first:
+                block = min(self.free)
+                del self.free[block]
+            else:
+                block, _ = self.free.popitem(last=False)
             key = self.hash_of.pop(block, None)
             if key is not None:
                 del self.by_hash[key]
@@ -216,7 +221,8 @@ class KVarNPool:
             raise ValueError("KVarNPool needs a kvarn layout")
         self.layout = layout
         self.records = BlockAllocator()
-        self.windows = BlockAllocator()
+        self.windows = BlockAllocator(lowest_first=True)  # consecutive windows read as one slice
+        self.window_rows: dict[int, object] = {}  # window id -> the PagedRow holding it
         self.window_dtype = getattr(mx, layout.window_dtype)  # float16 values, see KVLayout.window_dtype
         self.layers = [LayerArrays() for _ in range(num_layers)]
         self.shapes: list[tuple[int, int] | None] = [None] * num_layers  # (H, D) per layer

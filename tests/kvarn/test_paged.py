@@ -283,3 +283,34 @@ def test_float32_windows_hold_the_same_float16_values_and_price_exactly():
                     cache.records.view().__dict__.values()):
         assert np.array(x).tobytes() == np.array(y).tobytes()
     assert view.nbytes == layout32.sequence_bytes(view.offset, D, H) == cache.nbytes + 4 * G * H * D * 2
+
+
+def test_a_decode_batch_gets_consecutive_windows_in_batch_order_and_keeps_its_tokens():
+    """Rows whose windows are scattered (others ended, a row still prefilling sits in the way)
+    are moved so the batch's windows are one range in batch order; every row keeps its tokens
+    (attention equals the single-stream caches) and the allocator's counts follow the moves."""
+    rng = np.random.default_rng(9)
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    rows = [PagedRow(pool, [0]) for _ in range(6)]  # windows 1..6
+    alone = {}
+    for i in (0, 2, 3, 5):
+        k, v = kv(rng, 40 + 30 * i)
+        rows[i].layers[0].update_and_fetch(k, v)
+        alone[i] = KVarNKVCache(LAYOUT)
+        alone[i].update_and_fetch(k, v)
+    rows[1].release()  # window 2 free; rows[4] (window 5) is "still prefilling"
+    order = [5, 0, 3, 2]
+    batch = PagedBatch([rows[i].layers[0] for i in order])
+    k, v = kv(rng, 1, rows=4)
+    q = mx.array(rng.standard_normal((4, 4, 1, D)).astype(np.float32))
+    batch.update_and_fetch(k, v)
+    out = paged_attention(q, batch, SCALE, None)
+    lo = min(rows[i].slot for i in order)
+    assert [rows[i].slot for i in order] == [lo, lo + 1, lo + 2, lo + 3] and batch.index.windows == (lo, lo + 4)
+    assert len({r.slot for r in rows if not r.released}) == 5 and pool.windows.num_held == 5
+    assert all(pool.window_rows[r.slot] is r for r in rows if not r.released)
+    for b, i in enumerate(order):
+        alone[i].update_and_fetch(k[b: b + 1], v[b: b + 1])
+        want = kvarn_attention(q[b: b + 1], alone[i], SCALE, None)
+        np.testing.assert_allclose(np.array(out[b: b + 1]), np.array(want), atol=2e-5)
+        assert_same_row(rows[i].layers[0], alone[i])
