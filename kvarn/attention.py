@@ -21,7 +21,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from kvarn.batch import BatchRows, batch_attention
 from kvarn.cache import Chunk, KVarNKVCache
-from kvarn.paged import PagedBatch, PagedLayer, paged_attention
+from kvarn.paged import PagedLayer
+from kvarn.paged_batch import PagedBatch, paged_attention
 from kvarn.slots import SlotBatch, attends_per_row, per_row_attention
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays

@@ -112,10 +112,11 @@ _BY_ROW = {KVarNKVCache: BatchKVarNKVCache, FP16KVCache: BatchFP16KVCache, Affin
 
 def make_batch_cache(layer_rows: Sequence[Any]) -> Any:
     """The batch cache for one layer's rows: one graph for all rows of paged KVarN rows
-    (``kvarn.paged.PagedBatch``), else rows attending one by one (layers outside the layout,
+    (``kvarn.paged_batch.PagedBatch``), else rows attending one by one (layers outside the layout,
     e.g. sliding windows, batch their own cache type through the generic ``BatchRows``); one
     fused attention for the fp16/affine baselines' slot rows (``kvarn.slots.SlotBatch``)."""
-    from kvarn.paged import PagedBatch, PagedLayer
+    from kvarn.paged import PagedLayer
+    from kvarn.paged_batch import PagedBatch
     from kvarn.slots import SlotBatch, SlotRow
 
     if layer_rows and isinstance(layer_rows[0], PagedLayer):

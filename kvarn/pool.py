@@ -281,3 +281,19 @@ class KVarNPool:
     def block_bytes(self) -> int:
         """Bytes of one record block summed over the layers."""
         return sum(block_nbytes(self.layout, *shape) for shape in self.shapes if shape is not None)
+
+
+def dequantize_blocks(fields: dict[str, mx.array], layout: KVLayout, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """Gathered record fields [B, nb, H, ...] -> rotated keys and values [B, H, nb*G, D] in ``dtype``."""
+    k_codes = fields["k_codes"]
+    B, nb, H, S, W, _ = k_codes.shape
+    G = layout.tile_size
+    k = mx.dequantize(k_codes, fields["k_alpha"][..., None].astype(dtype), fields["k_beta"][..., None].astype(dtype),
+                      group_size=G, bits=layout.key_bits)  # [B,nb,H,S,W,G]
+    k = k * fields["k_r"][..., None, :].astype(dtype)
+    k = k.transpose(0, 2, 1, 5, 3, 4).reshape(B, H, nb * G, S * W)
+    v = mx.dequantize(fields["v_codes"], fields["v_alpha"].astype(dtype), fields["v_beta"].astype(dtype),
+                      group_size=W, bits=layout.value_bits)  # [B,nb,H,G,D]
+    v = v * fields["v_c"][:, :, :, None, :].astype(dtype)
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, H, nb * G, S * W)
+    return k, v

@@ -12,7 +12,8 @@ import pytest
 from kvarn.attention import kvarn_attention
 from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
-from kvarn.paged import PagedBatch, PagedRow, as_record_arrays, fork_rows, paged_attention
+from kvarn.paged import PagedRow, as_record_arrays, fork_rows
+from kvarn.paged_batch import PagedBatch, paged_attention
 from kvarn.pool import PAD, BlockAllocator, KVarNPool, quantize_blocks
 from kvarn.record import RecordArrays, quantize_tiles
 
