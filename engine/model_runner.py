@@ -1,12 +1,14 @@
-"""The model runner: owns the rows (per-request KV caches and sampler states), runs forwards and
-samples.
+"""The model runner: owns the rows (per-request KV caches, in the storage of its ``RowStore``, and
+sampler states), runs forwards and samples.
 
 Only the engine thread calls it. Prompt chunks run one row at a time (a chunk is already a
-matrix of tokens); all decoding rows run as one batch: one forward of [B, 1] tokens over a
-batch cache per layer (``kvarn.batch``) whose rows are the requests' own caches, so the weight
-matmuls are shared and every row still attends over exactly its own tokens. The decode batch
-persists across steps: rows join (``extend``) and leave (``filter``) without copying anyone's
-cache. Everything of a step is built as lazy MLX graphs and evaluated together.
+matrix of tokens); all decoding rows run as one batch: one forward of [B, 1] tokens over a batch
+cache per layer (``kvarn.batch.make_batch_cache``: one attention graph per layer for rows in the
+KVarN pool or the baselines' slots), so the weight matmuls are shared and every row still attends
+over exactly its own tokens. The decode batch persists across steps: rows join (``extend``) and
+leave (``filter``) without copying anyone's cache. A decode step is built as lazy MLX graphs and
+evaluated together; each prompt chunk of a row in shared storage is evaluated before the next
+graph is built (MLX then updates the shared buffers in place).
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ class ModelRunner:
                  capacity: Any = None, restore: Any = None) -> None:
         """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
         once); ``restore(hit, fresh)`` fills a fresh row from a prefix-cache hit that a plan's
-        chunk carries (``PrefillChunk.restore``) and returns it; ``batch_decode`` False runs each decoding row alone (models whose
-        caches cannot be batched, e.g. recurrent layers)."""
+        chunk carries (``PrefillChunk.restore``) and returns it; ``batch_decode`` False runs each
+        decoding row alone (models whose caches cannot be batched, e.g. recurrent layers)."""
         self.loaded = loaded
         self.layout = layout
         self.batch_decode = batch_decode
