@@ -166,6 +166,7 @@ def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array
         pool.write_records(l, index.commit_blocks, tiles)
     committing = set(index.commit_rows)
     for b, view in enumerate(layers):
+        view.chunk = None  # the row's last prompt chunk (raw keys and values) is no longer needed
         if view.offset >= G:
             if b in committing:
                 view.num_tiles += 1

@@ -315,3 +315,15 @@ def test_a_decode_batch_gets_consecutive_windows_in_batch_order_and_keeps_its_to
         want = kvarn_attention(q[b: b + 1], alone[i], SCALE, None)
         np.testing.assert_allclose(np.array(out[b: b + 1]), np.array(want), atol=2e-5)
         assert_same_row(rows[i].layers[0], alone[i])
+
+
+def test_decode_drops_the_rows_last_prompt_chunk():
+    """A row's raw prompt-chunk keys and values (kept for its chunk's attention and the prefix
+    cache's first-chunk blocks) are let go once the row decodes."""
+    rng = np.random.default_rng(10)
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    view = PagedRow(pool, [0]).layers[0]
+    view.update_and_fetch(*kv(rng, 200))
+    assert view.chunk is not None and view.chunk.keys.shape[2] == 200
+    PagedBatch([view]).update_and_fetch(*kv(rng, 1))
+    assert view.chunk is None
