@@ -88,21 +88,15 @@ def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
     )
 
 
-class _IndexMemo:
-    """The step index of the latest decode step (every layer of a step asks with the same rows at
-    the same offsets; the first layer builds it)."""
-
-    key: tuple | None = None
-    value: StepIndex | None = None
-
-
 def step_index(layers: Sequence[PagedLayer]) -> StepIndex:
-    memo = layers[0].row.pool.__dict__.setdefault("_step_memo", _IndexMemo())
+    """The step index for rows at these views' offsets: built by the first layer of a step, reused
+    by the others (they ask with the same rows at the same offsets; ``KVarNPool.step_memo``)."""
+    pool = layers[0].row.pool
     key = tuple((v.row.serial, v.offset, v.tail_len, v.num_tiles) for v in layers)
-    if memo.key != key:
+    if pool.step_memo is None or pool.step_memo[0] != key:
         place_windows([v.row for v in layers])
-        memo.key, memo.value = key, _step_index(layers)
-    return memo.value
+        pool.step_memo = (key, _step_index(layers))
+    return pool.step_memo[1]
 
 
 def place_windows(rows: Sequence[PagedRow]) -> None:
@@ -258,8 +252,8 @@ def paged_attention(queries: mx.array, cache: PagedLayer | PagedBatch, scale: fl
 
 
 def step_index_after(view: PagedLayer) -> StepIndex:
-    """The index a lone row's decode token was written with (its memo entry)."""
-    memo = view.row.pool.__dict__.get("_step_memo")
-    if memo is None or memo.value is None or memo.key is None or memo.key[0][0] != view.row.serial:
+    """The index a lone row's decode token was written with (the pool's latest step)."""
+    memo = view.row.pool.step_memo
+    if memo is None or memo[0][0][0] != view.row.serial:
         raise RuntimeError("paged decode attention before update_and_fetch")
-    return memo.value
+    return memo[1]

@@ -227,6 +227,7 @@ class KVarNPool:
         self.layers = [LayerArrays() for _ in range(num_layers)]
         self.shapes: list[tuple[int, int] | None] = [None] * num_layers  # (H, D) per layer
         self.rows_made = 0  # serial numbers for rows (ids of freed Python objects get reused)
+        self.step_memo: tuple | None = None  # (rows' serials and offsets, the decode step's index)
 
     # --- ids ---
     def allocate(self, kind: str, n: int) -> list[int]:
