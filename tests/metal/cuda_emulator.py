@@ -1,0 +1,163 @@
+"""Runs an ``mx.fast.cuda_kernel`` body on the CPU: the body is wrapped the way MLX wraps it (one
+``const T*`` parameter per input, ``T*`` per output, template arguments as constexprs), compiled
+with g++ against a small shim (one std::thread per CUDA thread, std::barrier for __syncthreads and
+for warp shuffles, _Float16 for __half) and launched block after block.
+
+It checks the kernels' indexing, bit extraction and reductions where no GPU is present; it says
+nothing about speed, and nothing about what the shim does not model (memory ordering beyond
+barriers, warp-synchronous code without shuffles: the kernels here have none)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+SHIM = r"""
+#include <cstdint>
+#include <cstddef>
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <barrier>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __align__(n) alignas(n)
+#define __shared__ static
+struct emu_dim3 { unsigned x, y, z; };
+inline thread_local emu_dim3 threadIdx;
+inline emu_dim3 blockIdx, gridDim, blockDim;
+inline std::barrier<>* emu_bar;
+inline std::barrier<>* emu_wbar[32];
+inline float emu_x[1024];
+alignas(16) inline unsigned char emu_smem[256 * 1024];
+inline void __syncthreads() { emu_bar->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int m) {
+  const int t = threadIdx.x;
+  emu_x[t] = v;
+  emu_wbar[t >> 5]->arrive_and_wait();
+  const float r = emu_x[t ^ m];
+  emu_wbar[t >> 5]->arrive_and_wait();
+  return r;
+}
+using __half = _Float16;
+struct __half2 { _Float16 x, y; };
+struct float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+inline float __half2float(__half h) { return (float)h; }
+inline __half __float2half_rn(float f) { return (_Float16)f; }
+inline float2 __half22float2(__half2 h) { return {(float)h.x, (float)h.y}; }
+struct __nv_bfloat16 { uint16_t v; };
+inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = (uint32_t)b.v << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); return {(uint16_t)(u >> 16)};
+}
+"""
+
+CTYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t",
+          np.dtype(np.uint32): "uint32_t"}
+BF16 = "bfloat16"
+
+
+def available() -> bool:
+    return shutil.which("g++") is not None
+
+
+def _ctype(a) -> str:
+    return "__nv_bfloat16" if isinstance(a, str) else CTYPES[np.dtype(a)]
+
+
+def build(name: str, header: str, source: str, inputs: list[tuple[str, object]], outputs: list[tuple[str, object]],
+          template: list[tuple[str, object]]) -> ctypes.CDLL:
+    """Compile one specialization; ``inputs``/``outputs``: (name, numpy dtype or "bfloat16");
+    ``template``: (name, int or numpy dtype or "bfloat16")."""
+    params = [f"const {_ctype(t)}* {n}" for n, t in inputs] + [f"{_ctype(t)}* {n}" for n, t in outputs]
+    consts = "".join(f"  constexpr int {n} = {v};\n" if isinstance(v, int) else f"  using {n} = {_ctype(v)};\n"
+                     for n, v in template)
+    body = source.replace("extern __shared__ __align__(16) unsigned char smem_raw[];",
+                          "unsigned char* smem_raw = emu_smem;")
+    casts = ", ".join(f"({p.rsplit(' ', 1)[0]})args[{i}]" for i, p in enumerate(params))
+    text = (SHIM + header + f"\nvoid {name}(" + ", ".join(params) + ") {\n" + consts + body + "\n}\n" +
+            "extern \"C\" void launch(void** args, int gx, int gy, int gz, int bx) {\n"
+            "  gridDim = {(unsigned)gx, (unsigned)gy, (unsigned)gz}; blockDim = {(unsigned)bx, 1, 1};\n"
+            "  std::barrier<> bar(bx); emu_bar = &bar;\n"
+            "  std::vector<std::barrier<>*> w; for (int i = 0; i < (bx + 31) / 32; ++i) { w.push_back(new std::barrier<>(32)); emu_wbar[i] = w.back(); }\n"
+            "  for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {\n"
+            "    blockIdx = {(unsigned)x, (unsigned)y, (unsigned)z};\n"
+            "    std::vector<std::thread> ts;\n"
+            f"    for (int t = 0; t < bx; ++t) ts.emplace_back([=]() {{ threadIdx = {{(unsigned)t, 0, 0}}; {name}({casts}); }});\n"
+            "    for (auto& th : ts) th.join();\n"
+            "  }\n"
+            "  for (auto* b : w) delete b;\n"
+            "}\n")
+    digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+    out_dir = Path(tempfile.gettempdir()) / "kvarn-cuda-emulator"
+    out_dir.mkdir(exist_ok=True)
+    lib = out_dir / f"{name}-{digest}.so"
+    if not lib.exists():
+        src = out_dir / f"{name}-{digest}.cpp"
+        src.write_text(text)
+        done = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"g++ failed on {src}:\n{done.stderr[-4000:]}")
+    return ctypes.CDLL(str(lib))
+
+
+def launch(lib: ctypes.CDLL, arrays: list[np.ndarray], grid_blocks: tuple[int, int, int], threads: int) -> None:
+    """Run the kernel over ``arrays`` (inputs then outputs, C-contiguous; outputs are written)."""
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    lib.launch(ptrs, *grid_blocks, threads)
+
+
+def _np(a) -> np.ndarray:
+    import mlx.core as mx
+    if a.dtype == mx.bfloat16:
+        return np.ascontiguousarray(np.array(a.view(mx.uint16)))
+    return np.ascontiguousarray(np.array(a))
+
+
+def _dt(a):
+    import mlx.core as mx
+    return BF16 if a == mx.bfloat16 else np.dtype({mx.float16: np.float16, mx.float32: np.float32,
+                                                 mx.int32: np.int32, mx.uint32: np.uint32}[a])
+
+
+def run_launch(name: str, header: str, source: str, input_names: list[str], output_names: list[str], call) -> list:
+    """Run a ``metal.paged_decode.Launch`` through the emulator; returns the outputs as numpy arrays."""
+    import mlx.core as mx
+    ins = [_np(a) for a in call.inputs]
+    outs = [np.zeros(s, np.uint16 if d == mx.bfloat16 else _dt(d)) for s, d in zip(call.output_shapes, call.output_dtypes)]
+    template = [(n, v if isinstance(v, int) else _dt(v)) for n, v in call.template]
+    lib = build(name, header, source, [(n, _dt(a.dtype)) for n, a in zip(input_names, call.inputs)],
+                [(n, _dt(d)) for n, d in zip(output_names, call.output_dtypes)], template)
+    blocks = tuple((g + t - 1) // t for g, t in zip(call.grid, call.threadgroup))
+    launch(lib, ins + outs, blocks, call.threadgroup[0])
+    return outs
+
+
+def emulated_paged_decode_attention(**kw) -> np.ndarray:
+    """``metal.paged_decode.paged_decode_attention`` with both kernels run by the emulator."""
+    import mlx.core as mx
+    from metal import paged_decode as pd
+    q = kw["queries"]
+    H = kw["win_k"].shape[1]
+    L = kw["lengths"]
+    plan = pd.make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
+    call = pd.attention_launch(q, kw["records"], kw["win_k"], kw["win_v"], kw["table"], plan, kw["scale"],
+                               (kw["key_bits"], kw["value_bits"]))
+    part_o, part_ml = run_launch("kvarn_paged_decode", pd.HEADER, pd.ATTENTION_SOURCE, pd.ATTENTION_INPUTS,
+                                 pd.ATTENTION_OUTPUTS, call)
+    call = pd.combine_launch(mx.array(part_o), mx.array(part_ml), plan, q)
+    (out,) = run_launch("kvarn_paged_combine", pd.HEADER, pd.COMBINE_SOURCE, pd.COMBINE_INPUTS, pd.COMBINE_OUTPUTS, call)
+    if q.dtype == mx.bfloat16:
+        out = np.array(mx.array(out).view(mx.bfloat16).astype(mx.float32))
+    return out.astype(np.float64).reshape(q.shape)
