@@ -11,7 +11,7 @@ every layer of a step and are built once per step (``StepIndex``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -20,6 +20,8 @@ from kvarn.batch import BatchRows
 from kvarn.paged import PagedLayer, PagedRow, _rounded
 from kvarn.pool import PAD, STORE_DTYPE, dequantize_blocks, quantize_blocks
 from kvarn.quantize import rotate
+from metal import attention_path
+from metal.paged_decode import RowLengths, is_supported, make_plan, paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,9 @@ class StepIndex:
     ``commit_slots``, new blocks ``commit_blocks``); after the write, ``windows`` (the batch's
     window ids, or a ``(lo, hi)`` range when they are consecutive: read as a slice), ``table``
     [B, nb] (pad-filled) and ``mask`` [B, 1, 1, 2G + nb*G] select each row's valid sink, tail and
-    record tokens; ``offset`` is the rows' RoPE offsets before the write."""
+    record tokens; ``offset`` is the rows' RoPE offsets before the write; ``lengths`` the same
+    per-row lengths as host ints (the fused kernel's split plan, memoized per head count in
+    ``plans``)."""
 
     offset: mx.array
     write_slots: mx.array
@@ -42,6 +46,8 @@ class StepIndex:
     windows: mx.array | tuple[int, int]
     table: mx.array | None
     mask: mx.array
+    lengths: RowLengths
+    plans: dict = field(default_factory=dict, compare=False)
 
 
 def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
@@ -85,6 +91,7 @@ def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
         windows=windows,
         table=table,
         mask=mx.concatenate(parts, axis=1)[:, None, None, :] if nb else parts[0][:, None, None, :],
+        lengths=RowLengths(tuple(slots), tuple(sink_len), tuple(tail_len), tuple(num_tiles)),
     )
 
 
@@ -178,10 +185,24 @@ def attention_dtype(queries: mx.array) -> mx.Dtype:
 
 
 def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: StepIndex, scale: float) -> mx.array:
-    """Decode attention of every row of one layer (queries [B, n_q, 1, D]) in one fused SDPA over
-    [window (sink, tail) | records] read from the pool, after ``decode_update``."""
+    """Decode attention of every row of one layer (queries [B, n_q, 1, D]) after ``decode_update``:
+    the fused kernel (``metal.paged_decode``: reads the pool in place) where ``attention_path()``
+    says so and it has the shape's template, else one SDPA over [window (sink, tail) | records]
+    gathered and dequantized from the pool (the reference path)."""
     view0 = layers[0]
     a = view0.row.pool.layers[view0.l]
+    layout = view0.layout
+    H, D = a.win_k.shape[1], a.win_k.shape[3]
+    if (attention_path() == "cuda-fused" and a.win_k.dtype == mx.float16 and queries.dtype != mx.float32
+            and is_supported(head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
+                             value_bits=layout.value_bits, n_rep=queries.shape[1] // H)):
+        L = index.lengths
+        plan = index.plans.get(H)
+        if plan is None:
+            plan = index.plans[H] = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
+        return paged_decode_attention(queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v,
+                                      table=index.table, lengths=L, scale=scale, key_bits=layout.key_bits,
+                                      value_bits=layout.value_bits, plan=plan)
     dtype = attention_dtype(queries)
     w = index.windows
     keys, vals = (a.win_k[w[0]: w[1]], a.win_v[w[0]: w[1]]) if isinstance(w, tuple) else (a.win_k[w], a.win_v[w])

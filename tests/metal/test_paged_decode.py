@@ -1,0 +1,135 @@
+"""The fused paged decode attention (metal/paged_decode.py): its reference against a float64 NumPy
+attention, the kernel against the reference (GPU; and its CUDA source run by a CPU emulator), the
+split plan, and the dispatch's verdict."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal
+from metal.paged_decode import RowLengths, paged_decode_attention, plan_splits, reference_paged_decode_attention
+from tests.metal import cuda_emulator
+from tests.metal.cases import make_case, max_rel_error, numpy_attention
+
+HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: the fused kernel runs only there")
+TOL = 1e-2  # max |a - b| / max |b|; float16 rounding of K, V and the output is ~1e-3
+
+# rows around tile boundaries: inside the sink, exactly one sink, one more, full records, a tail of G - 1
+def ragged(G: int) -> list[int]:
+    return [1, G - 1, G, G + 1, 2 * G, 3 * G - 1, 4 * G + 3]
+
+
+REFERENCE_CASES = [
+    (64, 64, 4, 2, 4), (64, 128, 3, 3, 2), (128, 128, 4, 2, 4), (128, 64, 2, 8, 1), (256, 128, 8, 4, 2),
+    (256, 64, 3, 2, 4),
+]
+
+
+@pytest.mark.parametrize("D,G,kb,vb,n_rep", REFERENCE_CASES)
+def test_reference_matches_float64(D, G, kb, vb, n_rep):
+    case = make_case(ragged(G), n_kv_heads=2, n_rep=n_rep, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb)
+    want = numpy_attention(case)
+    got = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    assert max_rel_error(got, want) < TOL
+
+
+def test_reference_sees_a_wrong_block():
+    """The tolerance discriminates: two rows' blocks swapped in the table is far off."""
+    case = make_case([3 * 128 + 5, 2 * 128 + 9], n_kv_heads=1, n_rep=2, head_dim=128, tile_size=128, key_bits=4,
+                     value_bits=2, seed=3)
+    want = numpy_attention(case)
+    t = np.array(case.table)
+    t[0, 0], t[1, 0] = t[1, 0], t[0, 0]
+    case.table = mx.array(t)
+    got = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    assert max_rel_error(got, want) > 10 * TOL
+
+
+@pytest.mark.parametrize("num_rows", [1, 64])
+def test_reference_many_rows(num_rows):
+    rng = np.random.default_rng(num_rows)
+    tokens = [int(t) for t in rng.integers(1, 5 * 64, size=num_rows)]
+    case = make_case(tokens, n_kv_heads=1, n_rep=2, head_dim=64, tile_size=64, key_bits=3, value_bits=4)
+    got = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    assert max_rel_error(got, numpy_attention(case)) < TOL
+
+
+def test_plan_covers_every_tile_once():
+    num_tiles, tail = [0, 3, 255, 40, 0], [0, 7, 5, 0, 0]
+    work = plan_splits(num_tiles, tail, n_kv_heads=8)
+    for b, (n, t) in enumerate(zip(num_tiles, tail)):
+        spans = sorted((lo, hi) for row, lo, hi in work if row == b)
+        assert spans[0][0] == 0 and spans[-1][1] == 1 + n + (t > 0)
+        assert all(a[1] == c[0] and a[0] < a[1] for a, c in zip(spans, spans[1:]))
+    assert max(hi - lo for _, lo, hi in work) <= 2 * min(hi - lo for b, lo, hi in work if b == 2)
+    assert len([w for w in work if w[0] == 2]) > 1  # the long row is split
+
+
+def test_verdict_on_this_backend():
+    path = metal.attention_path()
+    assert path in ("cuda-fused", "metal-fused", "reference")
+    assert metal.attention_path() == path  # decided once
+    if not HAS_CUDA:
+        assert path == "reference"
+
+
+# ---- the kernel ----
+KERNEL_CASES = [(D, G, kb, vb) for kb in (2, 3, 4, 8) for vb in (2, 4, 8) for D, G in ((128, 128),)] + [
+    (64, 64, 3, 2), (64, 128, 4, 8), (256, 128, 4, 2), (256, 64, 3, 4), (128, 64, 8, 8), (64, 64, 2, 3),
+    (256, 128, 2, 3)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("D,G,kb,vb", KERNEL_CASES)
+def test_kernel_matches_reference(D, G, kb, vb):
+    case = make_case(ragged(G), n_kv_heads=2, n_rep=4, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb)
+    ref = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    got = np.array(paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    assert max_rel_error(got, ref) < TOL
+    assert max_rel_error(got, numpy_attention(case)) < TOL
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_rows,n_rep,dtype", [(1, 1, mx.float16), (17, 8, mx.bfloat16), (64, 4, mx.float16)])
+def test_kernel_many_rows(num_rows, n_rep, dtype):
+    rng = np.random.default_rng(num_rows)
+    tokens = [int(t) for t in rng.integers(1, 12 * 128, size=num_rows)]
+    case = make_case(tokens, n_kv_heads=8, n_rep=n_rep, head_dim=128, tile_size=128, key_bits=4, value_bits=2,
+                     dtype=dtype)
+    ref = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    got = np.array(paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    assert max_rel_error(got, ref) < TOL
+
+
+@needs_cuda
+def test_kernel_sees_a_wrong_block():
+    case = make_case([3 * 128 + 5, 2 * 128 + 9], n_kv_heads=1, n_rep=2, head_dim=128, tile_size=128, key_bits=4,
+                     value_bits=2, seed=3)
+    ref = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    t = np.array(case.table)
+    t[0, 0], t[1, 0] = t[1, 0], t[0, 0]
+    case.table = mx.array(t)
+    got = np.array(paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    assert max_rel_error(got, ref) > 10 * TOL
+
+
+# ---- the kernel's CUDA source, run by the CPU emulator (slow: a few configurations) ----
+EMULATED = [(128, 128, 4, 2, 4, mx.float16), (64, 64, 3, 3, 2, mx.float16), (256, 64, 8, 3, 8, mx.bfloat16)]
+
+
+@pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
+@pytest.mark.parametrize("D,G,kb,vb,n_rep,dtype", EMULATED)
+def test_emulated_kernel_matches_float64(D, G, kb, vb, n_rep, dtype):
+    case = make_case([1, G + 1, 3 * G - 1], n_kv_heads=1, n_rep=n_rep, head_dim=D, tile_size=G, key_bits=kb,
+                     value_bits=vb, dtype=dtype)
+    got = cuda_emulator.emulated_paged_decode_attention(**case.kwargs())
+    assert max_rel_error(got, numpy_attention(case)) < TOL
+
+
+def test_row_lengths_is_what_the_step_index_carries():
+    from kvarn.paged_batch import StepIndex
+    assert "lengths" in StepIndex.__dataclass_fields__
+    assert RowLengths((1,), (1,), (0,), (0,)).num_tiles == (0,)
