@@ -83,6 +83,10 @@ def run_shape(B: int, T: int, reps: int) -> dict:
     n = max(3, min(50, int(2e9 // (K.nbytes + V.nbytes))))
     res = {"B": B, "T": T, "kvarn_bytes": nbytes, "fp16_bytes": K.nbytes + V.nbytes, "splits": plan.num_items}
     res["fused_ms"] = 1e3 * timed(lambda: paged_decode_attention(**kw, plan=plan), n, reps)
+    res["fused_ms_by_blocks_per_sm"] = {}
+    for bps in (4, 8, 32):  # the split policy's knob (the default is BLOCKS_PER_SM)
+        p2 = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H, blocks_per_sm=bps)
+        res["fused_ms_by_blocks_per_sm"][bps] = 1e3 * timed(lambda: paged_decode_attention(**kw, plan=p2), n, reps)
     res["fp16_sdpa_ms"] = 1e3 * timed(lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=D ** -0.5), n, reps)
     del K, V
     res["reference_ms"] = 1e3 * timed(lambda: reference_paged_decode_attention(**kw), max(2, n // 4), max(3, reps // 3))
@@ -106,7 +110,8 @@ def main() -> None:
         out["rows"].append(r)
         print(f"{B:3d} x {T:6d}  fused {r['fused_ms']:.4f} ms ({r['fused_GBps']:.0f} GB/s, "
               f"{r['fused_frac_of_4.2TBps']:.2f})  fp16 {r['fp16_sdpa_ms']:.4f} ms  ref {r['reference_ms']:.3f} ms  "
-              f"x{r['speedup_vs_fp16']:.2f} vs fp16  splits {r['splits']}", flush=True)
+              f"x{r['speedup_vs_fp16']:.2f} vs fp16  splits {r['splits']}  by blocks/SM "
+              f"{ {k: round(v, 4) for k, v in r['fused_ms_by_blocks_per_sm'].items()} }", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 

@@ -28,7 +28,7 @@ import mlx.core as mx
 
 NUM_THREADS = 128  # one block: 4 warps
 NUM_SMS = 132  # H200; the split policy aims at a few blocks per multiprocessor
-BLOCKS_PER_SM = 4
+BLOCKS_PER_SM = 16  # measured on the H200: 4 left the multiprocessors idle (one tile's loads at a time per block)
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_TILE_SIZES = (64, 128)
@@ -48,6 +48,19 @@ __device__ __forceinline__ unsigned int kv_code(const unsigned int* s, int bit) 
     if (o > 32 - B) v |= s[w + 1] << (32 - o);
   }
   return v & ((1u << B) - 1u);
+}
+
+// NR per-head factors at p (16-byte loads when NR is a multiple of 4; p is then 16-byte aligned)
+template <int NR>
+__device__ __forceinline__ void kv_rep(const float* p, float* out) {
+  if (NR % 4 == 0) {
+    for (int i = 0; i < NR / 4; ++i) {
+      const float4 v = reinterpret_cast<const float4*>(p)[i];
+      out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
+    }
+  } else {
+    for (int i = 0; i < NR; ++i) out[i] = p[i];
+  }
 }
 
 __device__ __forceinline__ float kv_warp_sum(float v) {
@@ -213,7 +226,9 @@ ATTENTION_SOURCE = r"""
           for (int c = 0; c < W / TPT; ++c) {
             const int d = s * W + c * TPT + sub;
             const float code = (float)kv_code<KB>(s_kc + d * KGW, g * KB);
-            for (int r = 0; r < NR; ++r) acc[r] += s_qa[d * NR + r] * code;
+            float qa[NR];
+            kv_rep<NR>(s_qa + d * NR, qa);
+            for (int r = 0; r < NR; ++r) acc[r] += qa[r] * code;
           }
           const float kr = s_kr[s * G + g];
           for (int r = 0; r < NR; ++r) part[r] += kr * acc[r];
@@ -291,7 +306,9 @@ ATTENTION_SOURCE = r"""
 #pragma unroll 8
         for (int gi = pp; gi < G; gi += TPC) {
           const float code = (float)kv_code<VB>(s_vc + gi * VDW, d * VB);
-          for (int r = 0; r < NR; ++r) acc[r] += s_pa[(s * G + gi) * NR + r] * code;
+          float pa[NR];
+          kv_rep<NR>(s_pa + (s * G + gi) * NR, pa);
+          for (int r = 0; r < NR; ++r) acc[r] += pa[r] * code;
         }
         const float cv = s_cv[d];
         for (int r = 0; r < NR; ++r) {
@@ -415,12 +432,12 @@ class DecodePlan:
 
 
 def plan_splits(num_tiles: Sequence[int], tail_len: Sequence[int], n_kv_heads: int,
-                num_sms: int = NUM_SMS) -> list[tuple[int, int, int]]:
+                num_sms: int = NUM_SMS, blocks_per_sm: int = BLOCKS_PER_SM) -> list[tuple[int, int, int]]:
     """Cut each row's tiles (sink, records, tail if non-empty) into splits of about the same size:
     the batch's tiles over about BLOCKS_PER_SM x num_sms blocks, so one long row, many short rows
     and a mix all fill the GPU; a row gets round(its tiles / split size) splits, at least one."""
     counts = [1 + n + (t > 0) for n, t in zip(num_tiles, tail_len)]
-    target_items = max(1, (BLOCKS_PER_SM * num_sms) // max(1, n_kv_heads))
+    target_items = max(1, (blocks_per_sm * num_sms) // max(1, n_kv_heads))
     per_split = max(1, math.ceil(sum(counts) / target_items))
     work = []
     for b, count in enumerate(counts):
@@ -431,8 +448,8 @@ def plan_splits(num_tiles: Sequence[int], tail_len: Sequence[int], n_kv_heads: i
 
 
 def make_plan(slots: Sequence[int], sink_len: Sequence[int], tail_len: Sequence[int],
-              num_tiles: Sequence[int], n_kv_heads: int) -> DecodePlan:
-    work = plan_splits(num_tiles, tail_len, n_kv_heads)
+              num_tiles: Sequence[int], n_kv_heads: int, blocks_per_sm: int = BLOCKS_PER_SM) -> DecodePlan:
+    work = plan_splits(num_tiles, tail_len, n_kv_heads, blocks_per_sm=blocks_per_sm)
     row_work = [0] * (len(slots) + 1)
     for b, _, _ in work:
         row_work[b + 1] += 1
