@@ -11,9 +11,17 @@ from engine.loader import BUNDLED_MODEL_DIR, DTYPES, LoadedModel, load_model
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams, TokenLogprob
 from engine.sampler import MAX_TOP_LOGPROBS
 from engine.scheduler import SchedulerConfig
+from metal import decided_attention_path
+
+
+def attention_in_force() -> str:
+    """The KVarN decode attention in force: "cuda-fused" | "metal-fused" | "reference", or
+    "undecided" before the first paged decode step (``metal.attention_path``)."""
+    return decided_attention_path() or "undecided"
+
 
 __all__ = [
     "ApcConfig", "BUNDLED_MODEL_DIR", "BenchConfig", "BenchReport", "DTYPES", "Engine", "EngineClient", "EngineConfig",
     "EngineNotReady", "FinishReason", "KVConfig", "LoadedModel", "MAX_TOP_LOGPROBS", "ModelInfo", "Request", "RequestId",
-    "RequestOutput", "RequestRejected", "SamplingParams", "SchedulerConfig", "TokenLogprob", "load_model", "make_engine", "run_bench",
+    "RequestOutput", "RequestRejected", "SamplingParams", "SchedulerConfig", "TokenLogprob", "attention_in_force", "load_model", "make_engine", "run_bench",
 ]

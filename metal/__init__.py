@@ -67,3 +67,9 @@ def attention_path() -> str:
     if not _VERDICT:
         _VERDICT.append(_decide())
     return _VERDICT[0]
+
+
+def decided_attention_path() -> str | None:
+    """The verdict if ``attention_path()`` has run (on the engine thread, at the first paged decode
+    step), else None; never runs the self-check itself (so other threads may ask)."""
+    return _VERDICT[0] if _VERDICT else None

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 
-from engine import EngineClient, EngineNotReady, ModelInfo, RequestRejected
+from engine import EngineClient, EngineNotReady, ModelInfo, RequestRejected, attention_in_force
 from server.errors import APIError, error_response
 from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params, \
     system_prompt_end
@@ -44,7 +44,8 @@ async def health(request: Request) -> JSONResponse:
     if client.info is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
     info = client.info
-    return JSONResponse({"status": "ok", "model": info.model_id, "kv_cache": info.kv_cache, **client.stats()})
+    return JSONResponse({"status": "ok", "model": info.model_id, "kv_cache": info.kv_cache,
+                         "attention": attention_in_force(), **client.stats()})
 
 
 @router.get("/v1/models")
@@ -53,7 +54,7 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": info.model_id, "object": "model", "created": _STARTED, "owned_by": "kvarn",
         "context_length": info.context_length, "compute_dtype": info.compute_dtype,
-        "fingerprint": info.fingerprint, "kv_cache": info.kv_cache}]}
+        "fingerprint": info.fingerprint, "kv_cache": info.kv_cache, "attention": attention_in_force()}]}
 
 
 @router.get("/metrics")

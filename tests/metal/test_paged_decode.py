@@ -133,3 +133,10 @@ def test_row_lengths_is_what_the_step_index_carries():
     from kvarn.paged_batch import StepIndex
     assert "lengths" in StepIndex.__dataclass_fields__
     assert RowLengths((1,), (1,), (0,), (0,)).num_tiles == (0,)
+
+
+def test_the_decided_verdict_is_what_attention_path_said():
+    path = metal.attention_path()
+    assert metal.decided_attention_path() == path
+    from engine import attention_in_force
+    assert attention_in_force() == path
