@@ -140,3 +140,45 @@ def test_the_decided_verdict_is_what_attention_path_said():
     assert metal.decided_attention_path() == path
     from engine import attention_in_force
     assert attention_in_force() == path
+
+
+@needs_cuda
+def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeypatch):
+    """Paged rows (ragged, committing tiles during the steps) decode through PagedBatch: the
+    dispatch takes the kernel, and its output matches the single-stream caches' attention."""
+    import kvarn.paged_batch as pb
+    from kvarn.attention import kvarn_attention
+    from kvarn.cache import KVarNKVCache
+    from kvarn.layout import KVLayout
+    from kvarn.paged import PagedRow
+    from kvarn.pool import KVarNPool
+    assert metal.attention_path() == "cuda-fused"
+    calls = []
+    real = pb.paged_decode_attention
+    monkeypatch.setattr(pb, "paged_decode_attention", lambda **kw: calls.append(1) or real(**kw))
+    rng = np.random.default_rng(5)
+    G, H, D = 64, 2, 128
+    layout = KVLayout.kvarn("k4v2", tile_size=G)
+    pool = KVarNPool(layout, num_layers=1)
+    rows, alone = [], []
+    for n in (5, G - 2, 3 * G - 1):
+        k = mx.array(rng.standard_normal((1, H, n, D)).astype(np.float16))
+        v = mx.array(rng.standard_normal((1, H, n, D)).astype(np.float16))
+        row = PagedRow(pool, [0])
+        row.layers[0].update_and_fetch(k, v)
+        cache = KVarNKVCache(layout)
+        cache.update_and_fetch(k, v)
+        rows.append(row)
+        alone.append(cache)
+    batch = pb.PagedBatch([r.layers[0] for r in rows])
+    for _ in range(4):  # rows cross G and commit a tile on the way
+        k = mx.array(rng.standard_normal((3, H, 1, D)).astype(np.float16))
+        v = mx.array(rng.standard_normal((3, H, 1, D)).astype(np.float16))
+        q = mx.array(rng.standard_normal((3, 4 * H, 1, D)).astype(np.float16))
+        batch.update_and_fetch(k, v)
+        out = np.array(pb.paged_attention(q, batch, D ** -0.5, None).astype(mx.float32))
+        for b, cache in enumerate(alone):
+            cache.update_and_fetch(k[b: b + 1], v[b: b + 1])
+            want = np.array(kvarn_attention(q[b: b + 1], cache, D ** -0.5, None).astype(mx.float32))
+            assert max_rel_error(out[b: b + 1], want) < TOL
+    assert len(calls) == 4
