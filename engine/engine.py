@@ -64,11 +64,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
         budget = default_budget_bytes(machine_memory_bytes(mx.device_info()), weights)
         config = replace(config, kv_budget_bytes=budget)
     prefix = None
-    if apc.enabled and layout.scheme == "kvarn" and config.prefill_chunk_size % layout.tile_size:
-        logger.warning("prefix cache off: the prefill chunk size (%d) is not a multiple of the KVarN tile (%d), so "
-                       "a block would straddle the end of the full-precision first chunk", config.prefill_chunk_size,
-                       layout.tile_size)
-    elif apc.enabled:
+    if apc.enabled:
         apc_bytes = apc.memory_bytes if apc.memory_bytes is not None else config.kv_budget_bytes // 4
         if apc_bytes > config.kv_budget_bytes:
             raise ValueError(f"the prefix cache's memory ({apc_bytes:,} bytes) is carved out of the KV budget "
@@ -81,17 +77,14 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
 def make_prefix_reuse(loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig, apc: ApcConfig,
                       memory_bytes: int, probe: list) -> PrefixReuse:
     """The exact tier where every layer takes the layout (blocks of G tokens), else the
-    checkpoint tier (whole-row snapshots). The keys' stamp names the layout, the model and,
-    for KVarN, the prefill chunk size (where the full-precision first chunk ends)."""
+    checkpoint tier (whole-row snapshots). The keys' stamp names the layout and the model."""
     G = layout.tile_size
     tier = "exact" if exact_tier_possible(probe) else "checkpoint"
     stamp = layout.stamp(loaded.fingerprint)
-    if layout.scheme == "kvarn":
-        stamp = f"{stamp}-c{config.prefill_chunk_size}"
     cache = PrefixCache(stamp, loaded.fingerprint, G, memory_bytes, apc.disk_dir, apc.disk_bytes, tier=tier)
     logger.info("prefix cache: %s tier, %s bytes in memory (carved from the KV budget)%s", tier,
                 f"{memory_bytes:,}", f", disk {apc.disk_dir} up to {apc.disk_bytes:,} bytes" if apc.disk_dir else "")
-    return PrefixReuse(cache, layout, config.prefill_chunk_size)
+    return PrefixReuse(cache, layout)
 
 
 def make_pricing(loaded: LoadedModel, layout: KVLayout, prefill_chunk: int) -> Pricing:

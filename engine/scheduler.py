@@ -8,9 +8,8 @@ for more than one chunk.
 Chunk boundaries are fixed: chunk i of a prompt is always tokens [i*C, (i+1)*C) whatever else
 runs in the step (a prompt restored from the prefix cache at token h starts with [h, next
 multiple of C)); a chunk that does not fit in the step's remaining budget waits for the next
-step instead of being cut. With a quantized cache the prefill's numbers depend on where chunks
-end (a fresh prompt's first chunk attends in full precision, later ones over the records), so
-fixed boundaries make a request compute the same alone and in any batch. The config guarantees
+step instead of being cut. Every chunk attends with decode's view, but matmuls of other shapes
+round differently, so fixed boundaries make a request compute the same alone and in any batch. The config guarantees
 the first chunk of a step always fits (budget >= max_num_seqs + chunk).
 
 Admission is by capacity: a waiting request is admitted only if its reservation (``Pricing``:

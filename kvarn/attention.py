@@ -2,8 +2,7 @@
 mlx-lm models to it.
 
 Three paths, by what the cache holds:
-- a fresh prompt's first chunk: plain SDPA over the chunk's own keys and values;
-- later prefill chunks (L > 1): the records are dequantized once to float16 and joined with the
+- prompt chunks (the first one too): the records are dequantized once to float16 and joined with the
   sink and the chunk's float16 window for the fused SDPA, under a mask that gives each token
   the view decode would give it (``chunk_attention``; transient: one copy of the history);
 - decode (L == 1): scores from ``quantized_matmul`` over the transposed key codes, per-tile value
@@ -114,7 +113,7 @@ def decode_uses_quantized_matmul() -> bool:
 
 
 def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.array:
-    """A later prefill chunk (L > 1) of a single-stream cache: ``chunk_attention_over`` its history."""
+    """A prompt chunk of a single-stream cache: ``chunk_attention_over`` its history."""
     dtype = mx.float32 if queries.dtype == mx.float32 else mx.float16
     sink_k = cache.sink_k[..., : cache.sink_len, :].astype(dtype)
     sink_v = cache.sink_v[..., : cache.sink_len, :].astype(dtype)
@@ -125,7 +124,7 @@ def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.
 
 def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, rec_k: mx.array | None,
                          rec_v: mx.array | None, chunk: Chunk, G: int, scale: float) -> mx.array:
-    """A later prefill chunk (L > 1), each token seeing what decode would have shown it.
+    """A prompt chunk (the first one too), each token seeing what decode would have shown it.
 
     Decode at position p attends to the sink, the records of every tile committed once p is in
     (tiles ending at or before p + 1) and, in float16, the tail: its own tile's tokens up to p.
@@ -167,9 +166,7 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
 def kvarn_attention(queries: mx.array, cache: KVarNKVCache, scale: float, mask: Any) -> mx.array:
     chunk = cache.chunk
     L = queries.shape[2]
-    if chunk is not None and chunk.fresh:
-        return mx.fast.scaled_dot_product_attention(queries, chunk.keys, chunk.values, scale=scale, mask=mask)
-    if L > 1 and chunk is not None:
+    if chunk is not None and (queries.shape[2] > 1 or chunk.start == 0):  # a prompt chunk (the first too)
         return chunk_attention(queries, cache, scale)
     if L == 1 and decode_uses_quantized_matmul():
         return decode_attention(queries, cache, scale)

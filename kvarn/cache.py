@@ -31,18 +31,16 @@ def _write(buffer: mx.array, update: mx.array, start: int) -> mx.array:
 
 @dataclass(frozen=True)
 class Chunk:
-    """The keys and values of the latest update, as given (unrotated), and whether the cache was
-    empty before it (a fresh prompt's first chunk attends to them directly, in full precision).
+    """Where the latest update of several tokens (a prompt chunk) sits, for its attention.
 
-    For a later chunk of several tokens, ``window_k``/``window_v`` hold the rotated float16 keys
-    and values of tokens ``[window_start, offset)``: the tail as it was before the chunk, then the
-    chunk's own tokens past the sink. Attention gives each token the same view decode gives it
-    (``kvarn.attention``): the sink, the records of the tiles committed before it, and its own
-    tile in float16 from this window."""
+    ``window_k``/``window_v`` hold the rotated float16 keys and values of tokens
+    ``[window_start, offset)``: the tail as it was before the chunk, then the chunk's own tokens
+    past the sink (None if the chunk fits in the sink). Every token gets the view decode gives
+    it (``kvarn.attention.chunk_attention_over``): the sink, the records of the tiles committed
+    before it, and its own tile in float16 from this window, the first chunk of a prompt as
+    much as any later one (so no chunk keeps raw keys, and a prompt's cache does not depend on
+    how it was chunked)."""
 
-    keys: mx.array
-    values: mx.array
-    fresh: bool
     start: int = 0
     window_start: int = 0
     window_k: mx.array | None = None
@@ -51,10 +49,8 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Block:
-    """G tokens of a row as the prefix cache keeps them: ``kind`` "sink" (the rotated float16 sink),
-    "record" (the record fields of one tile, in ``RecordArrays`` order) or "fresh" (the keys and
-    values of a fresh prompt chunk as the model gave them: unrotated, in the compute dtype, which a
-    restored row needs to attend to them in full precision as that chunk did)."""
+    """G tokens of a row as the prefix cache keeps them: ``kind`` "sink" (the rotated float16 sink)
+    or "record" (the record fields of one tile, in ``RecordArrays`` order)."""
 
     index: int
     kind: str
@@ -73,7 +69,6 @@ class KVarNRowProtocol(_BaseCache):
     tail_len: int
     layout: KVLayout
     chunk: Chunk | None
-    pending: tuple[mx.array, mx.array] | None
 
     @property
     def sink_len(self) -> int:
@@ -102,13 +97,8 @@ class KVarNRowProtocol(_BaseCache):
     # --- writing (the row's storage comes from ``_window_for``, ``_write_sink``, ``_append_tail``) ---
     def write_chunk(self, keys: mx.array, values: mx.array) -> None:
         """Tokens ``[offset, offset + L)``: rotated and rounded to float16, the first G into the
-        sink, the rest after the tail (committing every full tile); the chunk is kept for
-        attention (``Chunk``)."""
-        if self.pending is not None:  # restored mid-fresh-chunk: the update continues that chunk
-            (pk, pv), self.pending = self.pending, None
-            keys = mx.concatenate([pk, keys.astype(pk.dtype)], axis=2)
-            values = mx.concatenate([pv, values.astype(pv.dtype)], axis=2)
-            self.offset = 0
+        sink, the rest after the tail (committing every full tile); where they sit is kept for
+        the chunk's attention (``Chunk``)."""
         L = keys.shape[2]
         G = self.layout.tile_size
         start = self.offset
@@ -122,52 +112,24 @@ class KVarNRowProtocol(_BaseCache):
         window = (None, None)
         if used < L:
             window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
-        fresh = start == 0
-        if fresh or L == 1:  # decode reads the tail itself; a fresh chunk reads its raw keys
-            window = (None, None)
-        window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
-        self.chunk = Chunk(keys, values, fresh=fresh, start=start, window_start=window_start,
-                           window_k=window[0], window_v=window[1])
+        if L == 1 and start > 0:  # a decode token: decode reads the tail itself
+            self.chunk = None
+        else:
+            window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
+            self.chunk = Chunk(start=start, window_start=window_start, window_k=window[0], window_v=window[1])
         self.offset += L
 
     # --- blocks (the prefix cache's unit: G tokens each) ---
-    def fresh_blocks(self, start: int, stop: int) -> list[Block]:
-        """Blocks ``[start, stop)`` as "fresh" blocks, from the fresh chunk that just ran (the
-        latest update must be the row's fresh chunk and cover them), as arrays of their own."""
-        G = self.layout.tile_size
-        chunk = self.chunk
-        if chunk is None or not chunk.fresh or stop * G > chunk.keys.shape[2]:
-            raise ValueError("fresh blocks come from the fresh chunk that just ran, within its tokens")
-        return [Block(i, "fresh", (mx.array(chunk.keys[..., i * G:(i + 1) * G, :]),
-                                   mx.array(chunk.values[..., i * G:(i + 1) * G, :]))) for i in range(start, stop)]
-
-    def fill_from_blocks(self, blocks: list[Block], continue_fresh: bool = False) -> None:
-        """Fill this empty row with ``blocks`` 0, 1, ... (see ``KVarNKVCache.from_blocks``)."""
+    def fill_from_blocks(self, blocks: list[Block]) -> None:
+        """Fill this empty row with ``blocks`` 0, 1, ...: the sink, then records."""
         kinds = [b.kind for b in blocks]
-        fresh = kinds.count("fresh")
-        lead = max(fresh, 1)  # the fresh run, or the sink
         if self.offset or not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
-                or kinds[:lead] != (["fresh"] * fresh if fresh else ["sink"]) \
-                or any(kind != "record" for kind in kinds[lead:]):
-            raise ValueError("blocks must be the sink (or fresh blocks) then records, in order from block 0, "
-                             "into an empty row")
-        if fresh:
-            keys = mx.concatenate([b.arrays[0] for b in blocks[:fresh]], axis=2)
-            values = mx.concatenate([b.arrays[1] for b in blocks[:fresh]], axis=2)
-            if continue_fresh:
-                if fresh != len(blocks):
-                    raise ValueError("only a row of fresh blocks can continue its fresh chunk")
-                self.pending = (keys, values)
-                self.offset = keys.shape[2]
-                return
-            self.update_and_fetch(keys, values)
-            self.chunk = None
-        else:
-            self._load_sink(*blocks[0].arrays)
-        if blocks[lead:]:
-            self._load_records(blocks[lead:])
+                or kinds[0] != "sink" or any(kind != "record" for kind in kinds[1:]):
+            raise ValueError("blocks must be the sink then records, in order from block 0, into an empty row")
+        self._load_sink(*blocks[0].arrays)
+        if blocks[1:]:
+            self._load_records(blocks[1:])
         self.offset = len(blocks) * self.layout.tile_size
-
 
 
 class KVarNKVCache(KVarNRowProtocol):
@@ -187,9 +149,6 @@ class KVarNKVCache(KVarNRowProtocol):
         self.tail_len = 0
         self.records = RecordStore(layout)
         self.chunk: Chunk | None = None
-        # a row restored from "fresh" blocks: their raw keys and values, not yet written; the next
-        # update prepends them and runs as the fresh chunk the row's first tokens were part of
-        self.pending: tuple[mx.array, mx.array] | None = None
 
     # --- writing ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
@@ -251,6 +210,12 @@ class KVarNKVCache(KVarNRowProtocol):
         out = [Block(0, "sink", (self.sink_k, self.sink_v))] if count else []
         return out + self.record_blocks(1, count, copy=False)
 
+    def sink_block(self) -> Block:
+        """Block 0, the float16 sink, as arrays of its own (once the row holds G tokens)."""
+        if self.offset < self.layout.tile_size:
+            raise ValueError(f"a row of {self.offset} tokens has no whole sink")
+        return Block(0, "sink", (mx.array(self.sink_k.astype(STORE_DTYPE)), mx.array(self.sink_v.astype(STORE_DTYPE))))
+
     def record_blocks(self, start: int, stop: int, copy: bool = True) -> list[Block]:
         """Blocks ``[start, stop)`` (``start >= 1``) as records. With ``copy`` each block gets
         arrays of its own: a slice of the row's records is a view that would keep the row's whole
@@ -265,24 +230,18 @@ class KVarNKVCache(KVarNRowProtocol):
         return out
 
     @classmethod
-    def from_blocks(cls, layout: KVLayout, blocks: list[Block], continue_fresh: bool = False) -> KVarNKVCache:
+    def from_blocks(cls, layout: KVLayout, blocks: list[Block]) -> KVarNKVCache:
         """A row holding exactly ``blocks`` (``len(blocks) * G`` tokens, empty tail): what the
         original row held at that token, byte for byte, without re-quantizing records.
-
-        ``blocks`` are blocks 0, 1, ... in order: the sink then records, or a run of "fresh"
-        blocks then records. Fresh blocks are written as the fresh chunk wrote them (rotated
-        into the sink, quantized into records: the same bytes, as a record depends only on its
-        own tile), unless ``continue_fresh`` (only fresh blocks, and the restored prompt's fresh
-        chunk goes on past them): then they stay raw (``pending``) and the row's next update
-        prepends them, so the restored prompt continues the fresh chunk in full precision
-        exactly as a run without the cache does."""
+        ``blocks`` are blocks 0, 1, ... in order: the sink then records."""
         cache = cls(layout)
-        cache.fill_from_blocks(blocks, continue_fresh)
+        cache.fill_from_blocks(blocks)
         return cache
 
     def _load_sink(self, sink_k: mx.array, sink_v: mx.array) -> None:
-        self.sink_k, self.sink_v = sink_k, sink_v
-        self.tail_k, self.tail_v = mx.zeros_like(sink_k), mx.zeros_like(sink_v)
+        window = getattr(mx, self.layout.window_dtype)
+        self.sink_k, self.sink_v = sink_k.astype(window), sink_v.astype(window)
+        self.tail_k, self.tail_v = mx.zeros_like(self.sink_k), mx.zeros_like(self.sink_v)
 
     def _load_records(self, records: list[Block]) -> None:
         fields = {name: mx.concatenate([b.arrays[j] for b in records], axis=TILE_AXIS[name])
@@ -291,8 +250,6 @@ class KVarNKVCache(KVarNRowProtocol):
 
     @property
     def nbytes(self) -> int:
-        if self.pending is not None:
-            return sum(a.nbytes for a in self.pending)
         if self.sink_k is None:
             return 0
         buffers = sum(a.nbytes for a in (self.sink_k, self.sink_v, self.tail_k, self.tail_v))
@@ -300,8 +257,6 @@ class KVarNKVCache(KVarNRowProtocol):
 
     @property
     def state(self) -> list[mx.array]:
-        if self.pending is not None:
-            raise ValueError("a restored row holds its fresh blocks raw until its next update: no state yet")
         if self.sink_k is None:
             return []
         view = self.records.view()
@@ -336,7 +291,6 @@ class KVarNKVCache(KVarNRowProtocol):
         if getattr(self, "records", None) is not None:
             self.records.layout = self.layout
         self.chunk = None
-        self.pending = None
 
     @classmethod
     def from_state(cls, state: list[mx.array], meta_state: tuple[str, ...]) -> KVarNKVCache:

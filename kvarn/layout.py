@@ -11,7 +11,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, replace
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a prompt's first chunk attends with decode's view (no full-precision chunk)
 SCHEMES = ("kvarn", "affine", "fp16")
 BITS = (2, 3, 4, 5, 6, 8)
 PRESETS = {"k4v2": (4, 2), "k4v4": (4, 4), "k8v8": (8, 8), "k3v3": (3, 3), "k2v2": (2, 2)}

@@ -71,8 +71,7 @@ class PagedRow:
                 a = pool.layers[l]
                 a.win_k, a.win_v = (_copy_slot(x, self.slot, child.slot) for x in (a.win_k, a.win_v))
             other = child.layers[l]
-            other.offset, other.tail_len, other.num_tiles, other.pending = (view.offset, view.tail_len,
-                                                                           view.num_tiles, view.pending)
+            other.offset, other.tail_len, other.num_tiles = view.offset, view.tail_len, view.num_tiles
         return child
 
     def release(self) -> None:
@@ -129,7 +128,6 @@ class PagedLayer(KVarNRowProtocol):
         self.tail_len = 0
         self.num_tiles = 0
         self.chunk: Chunk | None = None
-        self.pending: tuple[mx.array, mx.array] | None = None  # restored fresh blocks, as in KVarNKVCache
 
     @property
     def layout(self) -> KVLayout:
@@ -137,7 +135,7 @@ class PagedLayer(KVarNRowProtocol):
 
     # --- writing (one row, any number of tokens) ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        if self.pending is None and keys.shape[2] == 1 and self.offset > 0:
+        if keys.shape[2] == 1 and self.offset > 0:
             from kvarn.paged_batch import decode_update
 
             decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
@@ -206,10 +204,20 @@ class PagedLayer(KVarNRowProtocol):
             out.append(Block(i, "record", _single_tile(fields)))
         return out
 
-    def load_blocks(self, blocks: list[Block], continue_fresh: bool = False) -> PagedLayer:
-        """This (empty) layer filled with ``blocks`` 0, 1, ... (the sink or fresh blocks, then
-        records), byte for byte what the row that made them held (``KVarNKVCache.from_blocks``)."""
-        self.fill_from_blocks(blocks, continue_fresh)
+    def sink_block(self) -> Block:
+        """Block 0, the float16 sink, as arrays of its own (once the row holds G tokens)."""
+        G = self.layout.tile_size
+        if self.offset < G:
+            raise ValueError(f"a row of {self.offset} tokens has no whole sink")
+        a = self.row.pool.layers[self.l]
+        s = self.row.slot
+        return Block(0, "sink", (mx.array(a.win_k[s: s + 1, :, :G].astype(STORE_DTYPE)),
+                                 mx.array(a.win_v[s: s + 1, :, :G].astype(STORE_DTYPE))))
+
+    def load_blocks(self, blocks: list[Block]) -> PagedLayer:
+        """This (empty) layer filled with ``blocks`` 0, 1, ... (the sink, then records), byte for
+        byte what the row that made them held (``KVarNKVCache.from_blocks``)."""
+        self.fill_from_blocks(blocks)
         return self
 
     def _load_sink(self, sink_k: mx.array, sink_v: mx.array) -> None:
@@ -232,8 +240,6 @@ class PagedLayer(KVarNRowProtocol):
     def nbytes(self) -> int:
         """What this row holds in this layer, as ``KVarNKVCache`` counts it: sink + tail (G float16
         tokens each, K and V) once written, plus its records."""
-        if self.pending is not None:
-            return sum(a.nbytes for a in self.pending)
         shape = self.row.pool.shapes[self.l]
         if self.offset == 0 or shape is None:
             return 0

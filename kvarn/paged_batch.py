@@ -263,10 +263,7 @@ def paged_attention(queries: mx.array, cache: PagedLayer | PagedBatch, scale: fl
             raise RuntimeError("paged batch attention before update_and_fetch")
         return decode_attention(queries, cache.rows, cache.index, scale)
     chunk = cache.chunk
-    L = queries.shape[2]
-    if chunk is not None and chunk.fresh:
-        return mx.fast.scaled_dot_product_attention(queries, chunk.keys, chunk.values, scale=scale, mask=mask)
-    if L > 1 and chunk is not None:
+    if chunk is not None and (queries.shape[2] > 1 or chunk.start == 0):  # a prompt chunk (the first too)
         sink_k, sink_v, rec_k, rec_v = cache.history(attention_dtype(queries))
         return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, cache.layout.tile_size, scale)
     return decode_attention(queries, [cache], step_index_after(cache), scale)

@@ -82,24 +82,6 @@ def test_blocks_out_of_order_are_refused():
             KVarNKVCache.from_blocks(LAYOUT, bad)
 
 
-# --- fresh blocks: the raw keys of a prompt's first (full-precision) chunk ---
-
-def test_fresh_blocks_are_copies_of_the_fresh_chunks_raw_keys():
-    rng = np.random.default_rng(4)
-    keys, values = kv(rng, 3 * G + 10)
-    row = fed(keys, values, 3 * G + 10)
-    blocks = row.fresh_blocks(0, 3)
-    assert [b.kind for b in blocks] == ["fresh"] * 3
-    for i, b in enumerate(blocks):
-        assert np.array_equal(np.array(b.arrays[0]), np.array(keys[:, :, i * G:(i + 1) * G]))
-        assert np.array_equal(np.array(b.arrays[1]), np.array(values[:, :, i * G:(i + 1) * G]))
-    with pytest.raises(ValueError):
-        row.fresh_blocks(0, 4)  # the chunk holds 3 whole blocks
-    row.update_and_fetch(keys[:, :, :1], values[:, :, :1])
-    with pytest.raises(ValueError):
-        row.fresh_blocks(0, 1)  # the latest update is no longer the fresh chunk
-
-
 def test_record_blocks_are_copies_equal_to_the_rows_records():
     rng = np.random.default_rng(5)
     row = fed(*kv(rng, 4 * G), 4 * G)
@@ -109,36 +91,33 @@ def test_record_blocks_are_copies_equal_to_the_rows_records():
         assert all(x is not y and np.array_equal(np.array(x), np.array(y)) for x, y in zip(a.arrays, b.arrays))
 
 
-@pytest.mark.parametrize("count", [1, 2, 3])
-def test_a_row_restored_inside_its_fresh_chunk_continues_it_exactly(count):
-    """Restored from ``count`` fresh blocks with ``continue_fresh``, the next update runs as the
-    rest of one fresh chunk: the same raw keys for attention and byte-identical sink, records and
-    tail as the row that took the whole chunk at once."""
+def test_sink_block_is_a_float16_copy_of_the_sink():
+    rng = np.random.default_rng(4)
+    row = fed(*kv(rng, G + 5), G + 5)
+    block = row.sink_block()
+    assert block.index == 0 and block.kind == "sink"
+    assert all(x.dtype == mx.float16 for x in block.arrays)
+    assert np.array_equal(np.array(block.arrays[0]), np.array(row.sink_k.astype(mx.float16)))
+    assert np.array_equal(np.array(block.arrays[1]), np.array(row.sink_v.astype(mx.float16)))
+    with pytest.raises(ValueError):
+        fed(*kv(rng, G - 1), G - 1).sink_block()  # the sink is not whole yet
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_a_row_restored_inside_its_first_chunk_continues_like_the_original(count):
+    """Every chunk attends with decode's view, so a row restored from the blocks of its first
+    chunk (sink and records) continues byte for byte as the row that took the prompt at once:
+    the same sink, records and tail, and the same window for the next chunk's attention."""
     rng = np.random.default_rng(count)
     keys, values = kv(rng, 4 * G + 20)
     whole = fed(keys, values, 4 * G + 20)
-    restored = KVarNKVCache.from_blocks(LAYOUT, whole.fresh_blocks(0, count), continue_fresh=True)
-    assert restored.offset == count * G and restored.pending is not None and restored.nbytes > 0
-    with pytest.raises(ValueError):
-        restored.state  # noqa: B018 - nothing is written until the next update
+    first = fed(keys, values, 4 * G + 20)
+    restored = KVarNKVCache.from_blocks(LAYOUT, [first.sink_block()] + first.record_blocks(1, count))
+    assert restored.offset == count * G and restored.chunk is None
     restored.update_and_fetch(keys[:, :, count * G:], values[:, :, count * G:])
-    assert restored.chunk.fresh and restored.pending is None and restored.offset == whole.offset
-    assert np.array_equal(np.array(restored.chunk.keys), np.array(whole.chunk.keys))
+    assert restored.offset == whole.offset and restored.chunk.start == count * G
     assert state_bytes(restored) == state_bytes(whole)
-
-
-def test_fresh_blocks_then_records_rebuild_the_row_byte_for_byte():
-    rng = np.random.default_rng(6)
-    keys, values = kv(rng, 6 * G + 3)
-    first = fed(keys, values, 3 * G)  # the fresh chunk: blocks 0..2
-    fresh = first.fresh_blocks(0, 3)
-    first.update_and_fetch(keys[:, :, 3 * G:], values[:, :, 3 * G:])  # a later chunk: records 2..4
-    blocks = fresh + first.record_blocks(3, 6)
-    restored = KVarNKVCache.from_blocks(LAYOUT, blocks)
-    assert restored.offset == 6 * G and restored.pending is None
-    reference = fed(keys, values, 3 * G)
-    reference.update_and_fetch(keys[:, :, 3 * G: 6 * G], values[:, :, 3 * G: 6 * G])
-    a, b = state_bytes(restored), state_bytes(reference)
-    assert a[:2] == b[:2] and a[4:] == b[4:]  # sink and records (the tail is empty)
     with pytest.raises(ValueError):
-        KVarNKVCache.from_blocks(LAYOUT, blocks, continue_fresh=True)  # records cannot continue a fresh chunk
+        KVarNKVCache.from_blocks(LAYOUT, first.record_blocks(1, 2))  # block 0 must be the sink
+
+

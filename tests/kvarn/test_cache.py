@@ -14,7 +14,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from kvarn.attention import decode_attention
 from kvarn.cache import KVarNKVCache
-from kvarn.layout import KVLayout
+from kvarn.layout import FORMAT_VERSION, KVLayout
 from kvarn.record import RecordArrays
 
 FIELDS = tuple(f.name for f in dataclasses.fields(RecordArrays))
@@ -173,7 +173,7 @@ def test_state_round_trip_is_bit_exact(n):
     k, v = tokens(n, max(n, 1))
     cache = feed(KVarNKVCache(layout), k, v, 33, stop=n) if n else KVarNKVCache(layout)
     state, meta = cache.state, cache.meta_state
-    assert meta == ("4", "2", "64", "8", "1", "float16", str(n), str(cache.tail_len))
+    assert meta == ("4", "2", "64", "8", str(FORMAT_VERSION), "float16", str(n), str(cache.tail_len))
     assert len(state) == (0 if n == 0 else 4 if n < 128 else 4 + len(FIELDS))
     restored = KVarNKVCache.from_state(copied_state(cache), meta)
     assert restored.meta_state == meta

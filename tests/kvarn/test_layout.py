@@ -11,7 +11,7 @@ from kvarn.layout import BITS, PRESETS, KVLayout
 FINGERPRINT = "0123456789abcdef"
 # sha256 of the layout + fingerprint JSON, first 16 hex digits. Changing it invalidates every
 # prefix-cache key in the field: only ever update it together with FORMAT_VERSION.
-STAMP_K4V2_G128 = "0ae283f2c437646f"
+STAMP_K4V2_G128 = "c85d2542ddf43d06"  # format 2 (format 1: 0ae283f2c437646f)
 
 
 def spec_bytes_per_token(bk: int, bv: int, d: int, g: int) -> float:
@@ -87,13 +87,13 @@ def test_presets():
     assert KVLayout.kvarn((5, 3), tile_size=64).name == "kvarn-k5v3-g64"
     assert KVLayout.affine(4, 32).name == "affine-4-g32"
     assert KVLayout.fp16("bfloat16").name == "fp16-bfloat16"
-    assert KVLayout().iters == 8 and KVLayout().format_version == 1
+    assert KVLayout().iters == 8 and KVLayout().format_version == 2
 
 
 def test_describe():
     d = KVLayout.kvarn("k4v2").describe(FINGERPRINT)
     assert d == {"scheme": "kvarn", "key_bits": 4, "value_bits": 2, "tile": 128, "group_size": None,
-                 "dtype": "float16", "iters": 8, "format_version": 1, "stamp": STAMP_K4V2_G128}
+                 "dtype": "float16", "iters": 8, "format_version": 2, "stamp": STAMP_K4V2_G128}
     f = KVLayout.fp16("bfloat16").describe(FINGERPRINT)
     assert (f["key_bits"], f["value_bits"], f["tile"], f["dtype"], f["iters"]) == (16, 16, None, "bfloat16", None)
 
@@ -150,7 +150,7 @@ def test_stamp_is_stable():
 
 
 CHANGES = {"scheme": "affine", "key_bits": 8, "value_bits": 4, "tile_size": 64, "group_size": 32, "iters": 4,
-           "storage_dtype": "float32", "format_version": 2}
+           "storage_dtype": "float32", "format_version": 3}
 
 
 def test_stamp_changes_with_every_field_and_the_fingerprint():

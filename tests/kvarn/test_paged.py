@@ -318,12 +318,12 @@ def test_a_decode_batch_gets_consecutive_windows_in_batch_order_and_keeps_its_to
 
 
 def test_decode_drops_the_rows_last_prompt_chunk():
-    """A row's raw prompt-chunk keys and values (kept for its chunk's attention and the prefix
-    cache's first-chunk blocks) are let go once the row decodes."""
+    """A row's last prompt chunk (its float16 window, kept for the chunk's attention) is let go
+    once the row decodes."""
     rng = np.random.default_rng(10)
     pool = KVarNPool(LAYOUT, num_layers=1)
     view = PagedRow(pool, [0]).layers[0]
     view.update_and_fetch(*kv(rng, 200))
-    assert view.chunk is not None and view.chunk.keys.shape[2] == 200
+    assert view.chunk is not None and view.chunk.window_k.shape[2] == 200 - LAYOUT.tile_size
     PagedBatch([view]).update_and_fetch(*kv(rng, 1))
     assert view.chunk is None

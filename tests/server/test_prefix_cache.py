@@ -397,8 +397,10 @@ def test_metrics_expose_the_prefix_cache(apc: httpx.Client, tokenizer: Tokenizer
 
 def test_small_memory_tier_evicts_within_its_budget(tmp_path_factory: pytest.TempPathFactory,
                                                     tokenizer: Tokenizer) -> None:
-    budget = 10 * 2**20  # room for one 4-block prompt of this model (8 MiB on the CPU), not for two
-    with served(tmp_path_factory, "kvarn-apc-small", "--apc-memory-bytes", "10MiB") as srv, client_of(srv) as http:
+    # room for one 4-block prompt of this model (a 1 MiB float16 sink + 3 k4v2 records of 216 KiB:
+    # 1.63 MiB), not for two
+    budget = 2 * 2**20
+    with served(tmp_path_factory, "kvarn-apc-small", "--apc-memory-bytes", "2MiB") as srv, client_of(srv) as http:
         at_start = metric(http, "kvarn_prefix_cache_memory_budget_bytes")  # checked last
         first = long_text("evict-0", tokenizer)
         ask(http, "completion", first)
