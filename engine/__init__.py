@@ -15,8 +15,9 @@ from metal import decided_attention_path
 
 
 def attention_in_force() -> str:
-    """The KVarN decode attention in force: "cuda-fused" | "metal-fused" | "reference", or
-    "undecided" before the first paged decode step (``metal.attention_path``)."""
+    """The KVarN decode attention in force: "cuda-fused" | "metal-fused" | "reference" (decided when
+    a KVarN engine is made: ``metal.attention_path``), or "undecided" before that (a non-KVarN
+    server never decides it)."""
     return decided_attention_path() or "undecided"
 
 

@@ -26,6 +26,7 @@ from kvarn.batch import make_batch_cache
 from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
 from kvarn.pool import warm_quantizer
+from metal import attention_path
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     if kvarn_layer is not None:  # every tile count a step can commit: decode rows, or one prompt chunk
         _, heads, _, dim = kvarn_layer.sink_k.shape
         warm_quantizer(layout, heads, dim, max(config.max_num_seqs, -(-config.prefill_chunk_size // layout.tile_size)))
+        attention_path()  # decide the decode attention (the fused kernel's self-check) before serving
     pricing = make_pricing(loaded, layout, config.prefill_chunk_size)
     if config.kv_budget_bytes is None:
         weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import mlx.core as mx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,6 +57,10 @@ def test_health_reports_the_same_kv_cache(http: httpx.Client) -> None:
     assert body["kv_cache"] == http.get("/v1/models").json()["data"][0]["kv_cache"]
     _check_kv_cache(body["kv_cache"])
     assert body["running"] == 0 and body["waiting"] == 0 and body["kv_bytes"] == 0
+    # the KVarN decode path, decided when the engine was made: no fused kernel on this CPU
+    expected = "reference" if mx.default_device() == mx.cpu else body["attention"]
+    assert body["attention"] == expected == http.get("/v1/models").json()["data"][0]["attention"]
+    assert body["attention"] in ("cuda-fused", "metal-fused", "reference")
 
 
 def test_response_fingerprint_is_the_kv_stamp(http: httpx.Client) -> None:
