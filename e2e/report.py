@@ -90,7 +90,8 @@ def markdown(report: dict[str, Any]) -> str:
     kv = report.get("kv_cache") or {}
     lines = [f"## kvarn stress: {report['model']} at {report['base_url']}", "",
              f"KV cache: scheme `{kv.get('scheme')}`, key/value bits {kv.get('key_bits')}/{kv.get('value_bits')}, "
-             f"dtype `{kv.get('dtype')}`, stamp `{kv.get('stamp')}`", "",
+             f"dtype `{kv.get('dtype')}`, stamp `{kv.get('stamp')}`; decode attention "
+             f"`{report.get('attention') or 'not reported'}`", "",
              "| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     lines += ["| " + " | ".join(_row(s)) + " |" for s in report["scenarios"]]
     problems = []

@@ -153,7 +153,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         except SetupError as exc:
             report.update(error=str(exc), exit_code=exc.code)
             return report
-        report.update(model=entry["id"], kv_cache=entry.get("kv_cache"))
+        report.update(model=entry["id"], kv_cache=entry.get("kv_cache"), attention=entry.get("attention"))
         ctx = Context(client, entry["id"], int(entry.get("context_length") or 2048), args.api_key,
                       args.concurrency, args.requests, args.max_tokens, args.seed, args.idle_timeout)
         for name in args.scenario:
