@@ -4,6 +4,10 @@
 decided once per process by ``attention_path()``: the fused kernel where the backend has it and a
 self-check at first use (kernel against reference on a small random case) passes; otherwise the
 reference, with one logged warning.
+
+``commit``: the fused tile commit (the whole quantizer, CUDA). ``commit_path(reference=...)``
+decides it the same way, once per layout; the caller passes the pure-MLX quantizer it must match
+(``metal`` imports nothing of ``kvarn``).
 """
 
 from __future__ import annotations
@@ -73,3 +77,86 @@ def decided_attention_path() -> str | None:
     """The verdict if ``attention_path()`` has run (on the engine thread, at the first paged decode
     step), else None; never runs the self-check itself (so other threads may ask)."""
     return _VERDICT[0] if _VERDICT else None
+
+
+# ---- the tile commit ----
+_COMMIT_VERDICTS: dict[tuple, str] = {}
+_COMMIT_WARNED: list[bool] = []
+COMMIT_SELF_CHECK_CODES = 0.99  # fraction of code words equal to the reference's
+COMMIT_SELF_CHECK_FACTORS = 1e-2  # max |kernel - reference| / max |reference| per factor field (float16 ~1e-3)
+
+
+def _commit_warning(msg: str, *args) -> None:
+    """One warning per process, whatever the number of layouts that fall back."""
+    if not _COMMIT_WARNED:
+        _COMMIT_WARNED.append(True)
+        log.warning(msg, *args)
+
+
+def commit_self_check(reference, *, head_dim: int, tile_size: int, key_bits: int, value_bits: int,
+                      iters: int) -> tuple[float, float]:
+    """The kernel against ``reference`` on two random tiles of two heads (keys with uneven
+    channels): (fraction of equal code words, worst relative factor difference)."""
+    import numpy as np
+
+    from metal.commit import quantize_tiles
+    k1, k2 = mx.random.split(mx.random.key(17))
+    shape = (2, 2, tile_size, head_dim)
+    keys = (mx.random.normal(shape, key=k1) * mx.linspace(0.2, 3.0, head_dim)).astype(mx.float16)
+    values = mx.random.normal(shape, key=k2).astype(mx.float16)
+    kw = dict(keys=keys, values=values, key_bits=key_bits, value_bits=value_bits, iters=iters)
+    got, want = quantize_tiles(**kw), reference(**kw)
+    same, worst = 1.0, 0.0
+    for name, g in got.items():
+        a, b = np.array(g), np.array(want[name])
+        if a.shape != b.shape:
+            return 0.0, float("inf")
+        if name.endswith("codes"):
+            same = min(same, float((a == b).mean()))
+        else:
+            a, b = a.astype(np.float32), b.astype(np.float32)
+            worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+    return same, worst
+
+
+def _decide_commit(reference, key: tuple) -> str:
+    from metal.commit import is_supported
+    head_dim, tile_size, key_bits, value_bits, iters = key
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        _commit_warning("kvarn: no GPU backend with a fused commit kernel; KVarN commits run the pure-MLX quantizer")
+        return "reference"
+    if not is_supported(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits):
+        _commit_warning("kvarn: no fused commit kernel for head_dim %d, tile %d, k%dv%d; commits run the pure-MLX "
+                        "quantizer", head_dim, tile_size, key_bits, value_bits)
+        return "reference"
+    try:
+        same, worst = commit_self_check(reference, head_dim=head_dim, tile_size=tile_size, key_bits=key_bits,
+                                        value_bits=value_bits, iters=iters)
+    except Exception as exc:  # a compile or launch failure: the reference still works
+        _commit_warning("kvarn: the fused CUDA commit kernel failed its self-check (%s); commits run the pure-MLX "
+                        "quantizer", exc)
+        return "reference"
+    if not (same >= COMMIT_SELF_CHECK_CODES and worst <= COMMIT_SELF_CHECK_FACTORS):
+        _commit_warning("kvarn: the fused CUDA commit kernel is off its reference (%.4f of code words equal, "
+                        "factors off by %.3g); commits run the pure-MLX quantizer", same, worst)
+        return "reference"
+    return "cuda-fused"
+
+
+def commit_path(*, reference, head_dim: int = 128, tile_size: int = 128, key_bits: int = 4, value_bits: int = 2,
+                iters: int = 8) -> str:
+    """``"cuda-fused"`` | ``"reference"``: the KVarN tile commit in force for this layout, decided
+    at its first call and fixed for the process: the fused kernel where MLX has a CUDA device, the
+    kernel has a template for the layout and it passes a self-check against ``reference`` (the
+    pure-MLX quantizer: called as ``reference(keys=, values=, key_bits=, value_bits=, iters=)``
+    like ``metal.commit.quantize_tiles``, returning the same record fields); else the reference,
+    with one logged warning. Off CUDA ``reference`` is not called."""
+    key = (head_dim, tile_size, key_bits, value_bits, iters)
+    if key not in _COMMIT_VERDICTS:
+        _COMMIT_VERDICTS[key] = _decide_commit(reference, key)
+    return _COMMIT_VERDICTS[key]
+
+
+def decided_commit_path() -> str | None:
+    """The first verdict ``commit_path()`` reached in this process, else None (never decides)."""
+    return next(iter(_COMMIT_VERDICTS.values()), None)

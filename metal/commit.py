@@ -1,0 +1,126 @@
+"""Fused KVarN tile commit (CUDA, ``mx.fast.cuda_kernel``): the whole quantizer of
+shared/design/kvarn.md section 3 (two-axis log-domain normalization with the best-iterate rule,
+min/max RTN, absorption, packing) for every tile given, all heads, K and V, in one launch.
+
+Input: rotated float16 tiles ``keys``/``values`` [n, H, G, D]. Output: the block-major record
+fields of ``kvarn/pool.py`` for n blocks::
+
+    k_codes [n, H, S, W, G*kb/32] uint32   k_alpha, k_beta [n, H, S, W] f16   k_r [n, H, S, G] f16
+    v_codes [n, H, G, D*vb/32]    uint32   v_alpha, v_beta [n, H, G, S] f16   v_c [n, H, D]    f16
+
+One block per matrix (K or V of one tile, head and 128-channel slice; S = D / W slices), the
+matrix held in registers (ROWS rows of 4 columns a thread) and shared memory.
+
+**Same bytes as the pure-MLX quantizer on the GPU.** ``kvarn.pool.quantize_blocks`` runs as
+MLX CUDA kernels whose float32 results depend on the order of their sums. The kernel repeats
+them: every elementwise step is the same IEEE operation (``/`` and ``sqrt`` correctly rounded,
+``expf``/``logf`` as MLX's ``cuda::std::exp``/``log``, no fused multiply-add: the ``_rn``
+intrinsics forbid contraction), and every sum is added in MLX's order: a sum along the
+contiguous axis (MLX's row reduce) adds runs of 4 consecutive values from 0 per thread, then
+a 32-lane butterfly (xor 16, 8, 4, 2, 1); a sum along a strided axis (MLX's column reduce)
+adds the values 32 apart in order, then the same butterfly over the 32 partial sums. Which axis
+is contiguous follows from the layouts MLX gives the arrays (row-major after every fused
+kernel; for a K tile quantized on its own when G != W, the first stds read a transposed view:
+see ``SPECIAL`` in the source). Maxima and minima are exact in any order. Where MLX's own order
+differs (another MLX version, the CPU backend), codes differ only where a value sits within
+float noise of a rounding boundary: tests/metal/test_commit.py counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from metal.commit_source import HEADER, SOURCE
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_TILE_SIZES = (64, 128)
+DEFAULT_ROWS = 8  # rows a thread holds: 512 threads a block at G = W = 128
+RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
+INPUTS = ["keys", "values", "bits"]
+
+
+def _round16(x: int) -> int:
+    return (x + 15) // 16 * 16
+
+
+def shared_bytes(head_dim: int, tile_size: int) -> int:
+    """Dynamic shared memory of one block (``KcSmem`` in the source)."""
+    G, W = tile_size, min(head_dim, 128)
+    cm = max(G, W)
+    return _round16(2 * max(W * (G + 2), G * (W + 2))) + _round16(4 * 32 * (cm + 1)) + 5 * 4 * cm
+
+
+def is_supported(*, head_dim: int, tile_size: int, key_bits: int, value_bits: int) -> bool:
+    """Whether the kernel has a template for this layout (else callers use the reference)."""
+    return (head_dim in SUPPORTED_HEAD_DIMS and tile_size in SUPPORTED_TILE_SIZES and key_bits in SUPPORTED_BITS
+            and value_bits in SUPPORTED_BITS)
+
+
+def output_shapes(n: int, H: int, G: int, D: int, key_bits: int, value_bits: int) -> dict[str, tuple[int, ...]]:
+    W = min(D, 128)
+    S = D // W
+    return {"k_codes": (n, H, S, W, G * key_bits // 32), "k_alpha": (n, H, S, W), "k_beta": (n, H, S, W),
+            "k_r": (n, H, S, G), "v_codes": (n, H, G, D * value_bits // 32), "v_alpha": (n, H, G, S),
+            "v_beta": (n, H, G, S), "v_c": (n, H, D)}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call's arguments, as ``mx.fast.cuda_kernel`` takes them (also what the tests'
+    CPU emulator of the CUDA source takes)."""
+
+    inputs: list
+    template: list
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: list
+    output_dtypes: list
+
+
+def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int,
+                  rows: int = DEFAULT_ROWS) -> Launch:
+    n, H, G, D = keys.shape
+    W = min(D, 128)
+    threads = G * W // (4 * rows)
+    shapes = output_shapes(n, H, G, D, key_bits, value_bits)
+    dtypes = [mx.uint32 if name.endswith("codes") else mx.float16 for name in RECORD_FIELDS]
+    return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16),
+                          mx.array([key_bits, value_bits], dtype=mx.int32)],
+                  template=[("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows)],
+                  grid=(n * H * (D // W) * threads, 2, 1), threadgroup=(threads, 1, 1),
+                  output_shapes=[shapes[name] for name in RECORD_FIELDS], output_dtypes=dtypes)
+
+
+_KERNELS: dict[int, object] = {}
+
+
+def _kernel(smem: int):
+    if smem not in _KERNELS:
+        _KERNELS[smem] = mx.fast.cuda_kernel(name=f"kvarn_commit_{smem}", input_names=INPUTS,
+                                             output_names=list(RECORD_FIELDS), source=SOURCE, header=HEADER,
+                                             shared_memory=smem)
+    return _KERNELS[smem]
+
+
+def quantize_tiles(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int = 8,
+                   rows: int = DEFAULT_ROWS) -> dict[str, mx.array]:
+    """Quantize rotated float16 tiles [n, H, G, D] into n blocks of record fields (the module
+    docstring's shapes), the same bytes as ``kvarn.pool.quantize_blocks`` with a layout of these
+    bits, tile size G and ``iters``. ``rows``: 4 or 8 rows a thread (a speed knob only)."""
+    n, H, G, D = keys.shape
+    if values.shape != keys.shape:
+        raise ValueError(f"keys {keys.shape} and values {values.shape} differ")
+    if not is_supported(head_dim=D, tile_size=G, key_bits=key_bits, value_bits=value_bits):
+        raise ValueError(f"no commit kernel for head_dim {D}, tile {G}, bits k{key_bits}v{value_bits}")
+    if n == 0:
+        return {name: mx.zeros(shape, dtype) for (name, shape), dtype in zip(
+            output_shapes(0, H, G, D, key_bits, value_bits).items(),
+            [mx.uint32 if f.endswith("codes") else mx.float16 for f in RECORD_FIELDS])}
+    call = commit_launch(keys, values, key_bits, value_bits, iters, rows)
+    outs = _kernel(shared_bytes(D, G))(
+        inputs=call.inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
+        output_shapes=call.output_shapes, output_dtypes=call.output_dtypes)
+    return dict(zip(RECORD_FIELDS, outs))

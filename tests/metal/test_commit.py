@@ -1,0 +1,244 @@
+"""The fused tile commit (metal/commit.py) against kvarn's own quantizer (``kvarn.pool.quantize_blocks``):
+its CUDA source run by the CPU emulator on a few small layouts, and the kernel on a GPU across
+bits, head dims, tile sizes and tile counts (those skip on the CPU).
+
+What must hold (docs/kernels.md): every code identical, except where kvarn's own pre-rounding
+value (x - z) / a lies within CODE_WINDOW of a .5 boundary (then it may differ by one); every
+float16 factor identical, except in a matrix whose normalization kept another of two iterates
+whose imbalances tie to float noise (a "flip"; measured on converged tiles, where the iterates
+differ by a gauge lr + t, lc - t), and then the matrix must dequantize to the same values within
+FLIP_TOL. Counts are printed in the pytest summary (tests/metal/conftest.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal
+from kvarn import quantize as Q
+from kvarn.layout import KVLayout
+from kvarn.pool import RECORD_FIELDS, quantize_blocks, record_shapes
+from metal import commit as C
+from tests.kvarn.reference import unpack
+from tests.metal import cuda_emulator
+
+HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: the fused commit kernel runs only there")
+needs_gxx = pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
+ITERS = 8
+CODE_WINDOW = 1e-3  # distance of kvarn's pre-rounding value to a .5 boundary that explains a differing code
+FLIP_TOL = 4e-3  # a flipped matrix dequantizes within this of the reference (max |diff| / max |ref|)
+REPORT: Counter = Counter()
+REPORT_KEYS = ("matrices", "codes", "code_mismatch", "factors", "factor_mismatch", "flip_matrices")
+
+
+def format_report() -> str:
+    return "commit kernel vs kvarn.pool.quantize_blocks: " + ", ".join(f"{k}={REPORT[k]}" for k in REPORT_KEYS)
+
+
+def make_tiles(n: int, H: int, G: int, D: int, seed: int = 0) -> tuple[mx.array, mx.array]:
+    """Rotated-looking float16 tiles: keys with uneven channels and a few loud tokens, values
+    with an offset (the normalization and the asymmetric rounding both have work to do)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((n, H, G, D)) * rng.uniform(0.1, 4.0, (n, H, 1, D))
+    keys[:, :, rng.integers(0, G, 3)] *= 6.0
+    values = rng.standard_normal((n, H, G, D)) * 0.7 + rng.uniform(-0.5, 0.5, (n, H, 1, D))
+    return mx.array(keys.astype(np.float16)), mx.array(values.astype(np.float16))
+
+
+def reference(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int = ITERS) -> dict:
+    layout = KVLayout(scheme="kvarn", key_bits=key_bits, value_bits=value_bits, tile_size=keys.shape[2], iters=iters)
+    return quantize_blocks(keys, values, layout)
+
+
+def _pre_rounding(m: mx.array, bits: int) -> np.ndarray:
+    """kvarn's (x - z) / a for matrices m [..., R, C] (rows rounded)."""
+    lr, lc = Q.normalize(m, ITERS)
+    b = Q._balanced(m.astype(mx.float32), lr, lc)
+    lo, hi = mx.min(b, axis=-1), mx.max(b, axis=-1)
+    step = mx.maximum((hi - lo) / ((1 << bits) - 1), Q.STEP_MIN)
+    return np.array((b - lo[..., None]) / step[..., None])
+
+
+def compare(got: dict, ref: dict, keys: mx.array, values: mx.array, kb: int, vb: int) -> Counter:
+    """Assert the module docstring's rules; return the counts."""
+    n, H, G, D = keys.shape
+    W = min(D, 128)
+    S = D // W
+    g = {k: np.array(v) for k, v in got.items()}
+    r = {k: np.array(v) for k, v in ref.items()}
+    for name in RECORD_FIELDS:
+        assert g[name].shape == r[name].shape and g[name].dtype == r[name].dtype, name
+    # codes, as matrices [n, H, S, R, C]: K rows = channels, V rows = tokens
+    kq = [unpack(x, kb, G).astype(np.int32) for x in (g["k_codes"], r["k_codes"])]
+    vq = [unpack(x.reshape(n, H, G, S, W * vb // 32), vb, W).transpose(0, 1, 3, 2, 4).astype(np.int32)
+          for x in (g["v_codes"], r["v_codes"])]
+    counts = Counter(matrices=2 * n * H * S, codes=2 * n * H * D * G)
+    kv = keys.reshape(n, H, G, S, W).transpose(0, 1, 3, 2, 4).astype(mx.float32)  # [n,H,S,G,W]
+    vv = values.reshape(n, H, G, S, W).transpose(0, 1, 3, 2, 4).astype(mx.float32)
+    for (mine, theirs), bits, m in ((kq, kb, mx.swapaxes(kv, -1, -2)), (vq, vb, vv)):
+        diff = mine != theirs
+        if diff.any():
+            assert np.abs(mine - theirs).max() == 1, "a code differs by more than one"
+            pre = _pre_rounding(m, bits)[diff]
+            near = np.abs(pre - np.floor(pre) - 0.5) < CODE_WINDOW
+            assert near.all(), f"{int((~near).sum())} differing codes are not at a rounding boundary: {pre[~near][:4]}"
+            counts["code_mismatch"] += int(diff.sum())
+    # factors: identical, or a flipped matrix that dequantizes to the same values
+    def deq_k(f, q):
+        a, b, rr = (f[x].astype(np.float32) for x in ("k_alpha", "k_beta", "k_r"))
+        return (q * a[..., None] + b[..., None]) * rr[..., None, :]  # [n,H,S,W,G]
+
+    def deq_v(f, q):
+        a, b = (f[x].astype(np.float32).transpose(0, 1, 3, 2) for x in ("v_alpha", "v_beta"))  # [n,H,S,G]
+        c = f["v_c"].astype(np.float32).reshape(n, H, S, W)
+        return (q * a[..., None] + b[..., None]) * c[..., None, :]  # [n,H,S,G,W]
+
+    k_fields, v_fields = ("k_alpha", "k_beta", "k_r"), ("v_alpha", "v_beta", "v_c")
+    for fields, deq, q in ((k_fields, deq_k, kq), (v_fields, deq_v, vq)):
+        counts["factors"] += sum(r[x].size for x in fields)
+        counts["factor_mismatch"] += sum(int((g[x] != r[x]).sum()) for x in fields)
+        if fields == k_fields:
+            bad = np.zeros((n, H, S), bool)
+            for x in fields:
+                bad |= (g[x] != r[x]).any(axis=-1)
+        else:
+            bad = ((g["v_alpha"] != r["v_alpha"]) | (g["v_beta"] != r["v_beta"])).any(axis=2)
+            bad |= (g["v_c"] != r["v_c"]).reshape(n, H, S, W).any(axis=-1)
+        if bad.any():
+            mine, theirs = deq(g, q[1]), deq(r, q[1])  # the same codes: the factors alone
+            err = np.abs(mine - theirs).max(axis=(-1, -2)) / np.abs(theirs).max(axis=(-1, -2))
+            assert err[bad].max() <= FLIP_TOL, f"factors differ beyond a flip: {err[bad].max()}"
+            counts["flip_matrices"] += int(bad.sum())
+    REPORT.update(counts)
+    return counts
+
+
+# ---- CPU: shapes and the verdict ----
+@pytest.mark.parametrize("G,D,kb,vb", [(128, 128, 4, 2), (64, 64, 3, 8), (128, 256, 5, 6), (64, 256, 2, 4)])
+def test_output_shapes_are_the_pools(G, D, kb, vb):
+    layout = KVLayout.kvarn((kb, vb), tile_size=G)
+    pool = {name: (5, *shape) for name, (shape, _) in record_shapes(layout, 3, D).items()}
+    assert C.output_shapes(5, 3, G, D, kb, vb) == pool
+    call = C.commit_launch(*make_tiles(5, 3, G, D), kb, vb, ITERS)
+    assert call.output_shapes == [pool[name] for name in RECORD_FIELDS]
+    assert call.output_dtypes == [dtype for _, dtype in record_shapes(layout, 3, D).values()]
+
+
+def test_supported_layouts():
+    assert C.is_supported(head_dim=128, tile_size=128, key_bits=4, value_bits=2)
+    assert C.is_supported(head_dim=256, tile_size=64, key_bits=5, value_bits=6)
+    assert not C.is_supported(head_dim=96, tile_size=128, key_bits=4, value_bits=2)
+    assert not C.is_supported(head_dim=128, tile_size=32, key_bits=4, value_bits=2)
+    assert C.shared_bytes(128, 128) <= 100_000
+
+
+def test_verdict_off_cuda_never_calls_the_reference():
+    if HAS_CUDA:
+        pytest.skip("a CUDA device is present: test_commit_path_on_cuda covers it")
+    called = []
+    path = metal.commit_path(reference=lambda **kw: called.append(1), head_dim=64, tile_size=64)
+    assert path == "reference" and not called
+    assert metal.decided_commit_path() == "reference"
+
+
+# ---- the CUDA source run by the CPU emulator (slow: one thread per CUDA thread) ----
+def emulated_quantize_tiles(keys: mx.array, values: mx.array, kb: int, vb: int, rows: int) -> dict:
+    """``metal.commit.quantize_tiles`` with the kernel run by the emulator; the outputs start
+    poisoned, so an element the kernel leaves unwritten fails the comparison."""
+    call = C.commit_launch(keys, values, kb, vb, ITERS, rows)
+    np_dtype = {mx.uint32: np.uint32, mx.float16: np.float16, mx.int32: np.int32}
+    ins = [np.ascontiguousarray(np.array(a)) for a in call.inputs]
+    outs = [np.full(shape, 0xDEADBEEF if dtype == mx.uint32 else np.nan, np_dtype[dtype])
+            for shape, dtype in zip(call.output_shapes, call.output_dtypes)]
+    lib = cuda_emulator.build("kvarn_commit", C.HEADER, C.SOURCE,
+                              [(name, a.dtype) for name, a in zip(C.INPUTS, ins)],
+                              [(name, o.dtype) for name, o in zip(RECORD_FIELDS, outs)], call.template)
+    blocks = tuple(g // t for g, t in zip(call.grid, call.threadgroup))
+    cuda_emulator.launch(lib, ins + outs, blocks, call.threadgroup[0])
+    return {name: mx.array(o) for name, o in zip(RECORD_FIELDS, outs)}
+
+
+# (G, D, kb, vb, n, H[, rows]): every G/W pairing once (G != W takes the K path's SPECIAL first stds)
+EMULATED = [(64, 64, 4, 2, 2, 1), (128, 128, 4, 2, 1, 1), (64, 128, 2, 5, 1, 1), (64, 256, 8, 3, 1, 1),
+            (128, 64, 6, 4, 1, 1, 4)]
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", EMULATED, ids=lambda c: "G{}-D{}-k{}v{}-n{}-H{}".format(*c[:6]))
+def test_emulated_kernel_matches_quantize_blocks(case):
+    G, D, kb, vb, n, H = case[:6]
+    rows = case[6] if len(case) > 6 else C.DEFAULT_ROWS
+    keys, values = make_tiles(n, H, G, D, seed=G + D + kb)
+    got = emulated_quantize_tiles(keys, values, kb, vb, rows)
+    compare(got, reference(keys=keys, values=values, key_bits=kb, value_bits=vb), keys, values, kb, vb)
+
+
+def test_compare_sees_a_wrong_code():
+    """The comparison discriminates: one code moved by one, away from any boundary, fails."""
+    keys, values = make_tiles(1, 1, 64, 64, seed=1)
+    ref = reference(keys=keys, values=values, key_bits=4, value_bits=2)
+    bad = dict(ref)
+    words = np.array(ref["k_codes"])
+    words[0, 0, 0, 5, 0] ^= 1 << 4  # the second code of channel 5
+    bad["k_codes"] = mx.array(words)
+    with pytest.raises(AssertionError):
+        compare(bad, ref, keys, values, 4, 2)
+    scaled = dict(ref, v_c=(ref["v_c"].astype(mx.float32) * 1.05).astype(mx.float16))
+    with pytest.raises(AssertionError):
+        compare(scaled, ref, keys, values, 4, 2)
+
+
+# ---- the kernel on a GPU ----
+BITS = [(kb, vb) for kb in (2, 3, 4, 8) for vb in (2, 4, 8)] + [(5, 6), (6, 3)]
+SHAPES = [(64, 64, 3, 2), (64, 128, 4, 8), (128, 64, 2, 4), (64, 256, 8, 3), (128, 256, 4, 2), (128, 64, 5, 6),
+          (64, 64, 8, 8)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("kb,vb", BITS)
+def test_kernel_matches_quantize_blocks_bits(kb, vb):
+    keys, values = make_tiles(3, 2, 128, 128, seed=10 * kb + vb)
+    kw = dict(keys=keys, values=values, key_bits=kb, value_bits=vb)
+    compare(C.quantize_tiles(**kw), reference(**kw), keys, values, kb, vb)
+
+
+@needs_cuda
+@pytest.mark.parametrize("G,D,kb,vb", SHAPES)
+def test_kernel_matches_quantize_blocks_shapes(G, D, kb, vb):
+    keys, values = make_tiles(5, 2, G, D, seed=G + D)
+    kw = dict(keys=keys, values=values, key_bits=kb, value_bits=vb)
+    compare(C.quantize_tiles(**kw), reference(**kw), keys, values, kb, vb)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 17, 64])
+def test_kernel_many_tiles(n):
+    keys, values = make_tiles(n, 8, 128, 128, seed=n)
+    kw = dict(keys=keys, values=values, key_bits=4, value_bits=2)
+    compare(C.quantize_tiles(**kw), reference(**kw), keys, values, 4, 2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("G,D", [(128, 128), (64, 256)])
+def test_kernel_four_rows_a_thread(G, D):
+    keys, values = make_tiles(4, 2, G, D, seed=3)
+    kw = dict(keys=keys, values=values, key_bits=4, value_bits=2)
+    compare(C.quantize_tiles(**kw, rows=4), reference(**kw), keys, values, 4, 2)
+
+
+@needs_cuda
+def test_commit_path_on_cuda():
+    assert metal.commit_path(reference=reference, head_dim=128, tile_size=128) == "cuda-fused"
+    assert metal.commit_path(reference=reference, head_dim=96, tile_size=128) == "reference"  # no template
+    same, worst = metal.commit_self_check(reference, head_dim=64, tile_size=64, key_bits=4, value_bits=2, iters=ITERS)
+    assert same == 1.0 and worst < 1e-3
+
+    def broken(**kw):  # a reference that disagrees: the self-check must see it
+        out = reference(**kw)
+        return dict(out, k_codes=out["k_codes"] ^ mx.array(0x55555555, dtype=mx.uint32))
+    same, _ = metal.commit_self_check(broken, head_dim=64, tile_size=64, key_bits=4, value_bits=2, iters=ITERS)
+    assert same < metal.COMMIT_SELF_CHECK_CODES
