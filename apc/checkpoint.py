@@ -9,13 +9,14 @@ the length, so it carries the same salts (layout stamp, model, ``cache_salt``):
 
 A lookup tries the snapshot lengths the store holds, longest first, never the whole prompt (the
 last prompt token is always computed). Payloads are opaque, with their size; the store is a
-least-recently-used map within a byte budget and also compares the stored token ids on a hit.
+least-recently-used map within what the KV budget leaves free (``headroom``) and an optional cap
+(``budget_bytes``), and also compares the stored token ids on a hit.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,24 +40,31 @@ class _Snapshot:
 
 @dataclass
 class CheckpointStore:
-    budget_bytes: int
+    budget_bytes: int | None = None
+    headroom: Callable[[], int] | None = None
     hits: int = 0
     evicted: int = 0
     bytes: int = 0
     _entries: OrderedDict[bytes, _Snapshot] = field(default_factory=OrderedDict)
     _lengths: dict[int, int] = field(default_factory=dict)  # snapshot length -> how many held
 
+    def limit(self) -> int | None:
+        """The most the store may hold now (None: no limit)."""
+        limits = [self.budget_bytes] if self.budget_bytes is not None else []
+        if self.headroom is not None:
+            limits.append(self.bytes + self.headroom())
+        return min(limits) if limits else None
+
     def put(self, root: bytes, tokens: Sequence[int], block_size: int, payload: Any, nbytes: int) -> bool:
-        if nbytes > self.budget_bytes or not tokens:
+        limit = self.limit()
+        if (limit is not None and nbytes > limit) or not tokens:
             return False
         key = snapshot_key(root, tokens, block_size)
         if key in self._entries:
             self._entries.move_to_end(key)
             return True
-        while self.bytes + nbytes > self.budget_bytes:
-            _, old = self._entries.popitem(last=False)
-            self._forget(old)
-            self.evicted += 1
+        if limit is not None:
+            self.evict_to(limit - nbytes)
         self._entries[key] = _Snapshot(tuple(int(t) for t in tokens), payload, nbytes)
         self._lengths[len(tokens)] = self._lengths.get(len(tokens), 0) + 1
         self.bytes += nbytes
@@ -72,6 +80,16 @@ class CheckpointStore:
                 self.hits += 1
                 return length, entry.payload
         return None
+
+    def evict_to(self, target: int) -> int:
+        """Evict least recently used snapshots until at most ``target`` bytes stay."""
+        evicted = 0
+        while self.bytes > max(target, 0) and self._entries:
+            _, old = self._entries.popitem(last=False)
+            self._forget(old)
+            self.evicted += 1
+            evicted += 1
+        return evicted
 
     def _forget(self, entry: _Snapshot) -> None:
         self.bytes -= entry.nbytes

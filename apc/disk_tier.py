@@ -7,13 +7,14 @@ the block's token ids, the payload's parts (name, dtype, shape, byte range) and 
 BLAKE2b checksum. Files are written by a background thread (callers never wait on the disk) to a
 temporary name and renamed into place, so a file is whole or absent. The index is rebuilt from the
 headers at start; every read checks magic, stamp, key, tokens, sizes and checksum, and a file that
-fails any check is a miss, is removed and is counted (``stats.bad_files``). The folder's bytes stay
+fails any check is a miss, is removed and is counted (``stats.bad_files``). Reads run on a reader
+thread of their own (``submit``): the engine thread never waits on the disk either. The folder's bytes stay
 under a cap, least recently used files first (access time is kept as the file's mtime). A full,
 read-only or otherwise failing disk turns the tier off with one warning: the cache goes on in
 memory.
 
 Pure Python: payload parts are bytes with a dtype and shape; the engine thread turns MLX arrays into
-parts and back (``apc.blocks``), the writer thread never touches MLX.
+parts and back (``apc.blocks``), the writer and reader threads never touch MLX.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import queue
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +127,9 @@ class DiskTier:
             self._disable(f"cannot use {self.folder}: {exc}")
         self._writer = threading.Thread(target=self._write_loop, name="kvarn-apc-disk", daemon=True)
         self._writer.start()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, name="kvarn-apc-read", daemon=True)
+        self._reader.start()
 
     # --- index ---
     def _rebuild_index(self) -> None:
@@ -172,6 +177,17 @@ class DiskTier:
         self.stats.hits += 1
         return parts
 
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` (reads, through ``get``) on the reader thread, in submission order."""
+        self._jobs.put(job)
+
+    def _read_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # a job reports its own result; this keeps the reader alive
+                logger.exception("prefix cache: a disk read job failed")
+
     # --- writing (background thread) ---
     def put(self, key: bytes, tokens: tuple[int, ...], parts: list[Part]) -> None:
         """Queue a block for writing (returns at once; an existing block is left as it is)."""
@@ -208,7 +224,9 @@ class DiskTier:
 
     def close(self) -> None:
         self._queue.put(None)
+        self._jobs.put(None)
         self._writer.join(10)
+        self._reader.join(10)
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -1,33 +1,47 @@
-"""``PrefixCache``: the facade the engine uses. Keys (``apc.hashing``), the memory tier, the
-disk tier and the checkpoint tier behind two pairs of calls:
+"""``PrefixCache``: the facade the engine uses. Keys (``apc.hashing``), a memory tier, the disk
+tier and the checkpoint tier behind a few calls:
 
-- exact tier (caches whose rows cut at blocks of G tokens): ``lookup(tokens, salt)`` returns
-  the payloads of the longest cached run of whole blocks (memory first, then the disk
-  continues the chain; a disk hit is promoted to memory), never the block holding the last
-  token; ``insert(chain, start, payloads)`` caches blocks ``start..`` of a chain made by
-  ``chain(tokens, salt)``, in memory and (written behind) on disk;
+- exact tier (caches whose rows cut at blocks of G tokens): ``lookup(tokens, salt)`` returns the
+  keys and memory hits of the longest cached run of whole blocks, never the block holding the
+  last token; where the chain continues on disk it starts reading those blocks on the disk
+  tier's reader thread and answers ``PENDING`` (ask again once ``poll()`` has taken the read in:
+  the blocks are then memory hits); ``insert(chain, start, items)`` caches blocks ``start..`` of
+  a chain made by ``chain(tokens, salt)`` in memory and (written behind) on disk;
 - checkpoint tier (rows that cannot be cut: sliding windows, recurrent state):
-  ``put_snapshot(tokens, salt, payload)`` / ``longest_snapshot(prompt, salt)``.
+  ``put_snapshot(tokens, salt, payload)`` / ``longest_snapshot(prompt, salt)`` (``PENDING``
+  likewise while a snapshot is read from disk).
 
-Payloads are ``apc.blocks.Payload``: opaque arrays with a kind, owned by the cache. Everything
-here runs on the engine thread except the disk tier's writer.
+The memory tier is one of two with the same calls: ``MemoryTier`` (payload copies: the fp16 and
+affine baselines) or the engine's block-pool tier (KVarN blocks kept in the pool itself, shared
+by reference count: ``engine/pool_tier.py``). ``record(...)`` counts a hit the engine took.
+Everything here runs on the engine thread except the disk tier's reader and writer threads,
+which never touch MLX.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import queue
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from apc.blocks import Payload, payload_from_parts, payload_to_parts
 from apc.checkpoint import CheckpointStore, snapshot_key
-from apc.disk_tier import DiskTier
+from apc.disk_tier import DiskTier, Part
 from apc.hashing import BlockKey, block_keys, prompt_keys, root_key
 from apc.memory_tier import MemoryTier
 
 logger = logging.getLogger(__name__)
+
+
+class _Pending:
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING: Any = _Pending()  # a lookup whose answer is being read from disk: ask again after ``poll()``
 
 
 @dataclass
@@ -40,18 +54,26 @@ class LookupStats:
 
 
 class PrefixCache:
-    def __init__(self, stamp: str, fingerprint: str, block_size: int, memory_bytes: int,
-                 disk_dir: str | Path | None = None, disk_bytes: int = 0, tier: str = "exact") -> None:
+    def __init__(self, stamp: str, fingerprint: str, block_size: int, memory: Any = None,
+                 disk_dir: str | Path | None = None, disk_bytes: int = 0, tier: str = "exact",
+                 headroom: Callable[[], int] | None = None) -> None:
+        """``memory``: the exact tier's memory store, or a cap in bytes (None: no cap) for a
+        ``MemoryTier`` of copies; the checkpoint store gets the same cap. ``headroom()``: the
+        bytes the KV budget leaves for cached blocks (None: no KV budget to share)."""
         if tier not in ("exact", "checkpoint"):
             raise ValueError(f"unknown tier {tier!r}")
         self.stamp, self.fingerprint, self.block_size, self.tier = stamp, fingerprint, block_size, tier
-        self.memory = MemoryTier(memory_bytes)
-        self.checkpoints = CheckpointStore(memory_bytes)
+        cap = memory if memory is None or isinstance(memory, int) else None
+        self.memory = MemoryTier(cap, headroom) if cap is not None or memory is None else memory
+        self.checkpoints = CheckpointStore(cap, headroom)
         self.disk: DiskTier | None = None
         if disk_dir is not None:
             folder = Path(disk_dir) / ("blocks" if tier == "exact" else "snapshots")
             self.disk = DiskTier(folder, stamp, disk_bytes)
         self.stats = LookupStats()
+        self._done: queue.Queue[Callable[[], None]] = queue.Queue()  # finished reads, applied by ``poll``
+        self._reading: set[bytes] = set()  # reads in flight, by the key they start at
+        self._from_disk: set[bytes] = set()  # blocks loaded from disk and not yet counted as hits
 
     # --- keys ---
     def root(self, salt: str | None) -> bytes:
@@ -68,39 +90,74 @@ class PrefixCache:
         return known + [BlockKey(len(known) + k.index, k.key, k.tokens) for k in rest]
 
     # --- exact tier ---
-    def lookup(self, tokens: Sequence[int], salt: str | None) -> tuple[list[BlockKey], list[Payload]]:
-        """(keys, payloads) of the longest cached run of whole blocks that ``tokens`` (a prompt)
-        may reuse: memory first, then the disk tier for the blocks after the memory hits."""
-        chain = prompt_keys(tokens, self.block_size, self.root(salt))
-        hits: list[Payload] = self.memory.lookup(chain)
-        in_memory = len(hits)
-        if self.disk is not None:
-            for block in chain[len(hits):]:
-                parts = self.disk.get(block.key, block.tokens)
-                if parts is None:
-                    break
-                try:
-                    payload = payload_from_parts(parts)
-                except (ValueError, TypeError) as exc:  # parts that passed the checksum but do not decode
-                    logger.warning("prefix cache: undecodable block %s (%s)", block.hex, exc)
-                    break
-                parent = chain[block.index - 1] if block.index else None
-                self.memory.insert(block, parent, payload, payload.nbytes)
-                hits.append(payload)
-        self._count(len(tokens), in_memory * self.block_size, (len(hits) - in_memory) * self.block_size)
+    def lookup(self, tokens: Sequence[int], salt: str | None, disk: bool = True,
+               chain: Sequence[BlockKey] | None = None) -> tuple[list[BlockKey], list[Any]] | Any:
+        """(keys, memory hits) of the longest cached run of whole blocks that ``tokens`` (a
+        prompt) may reuse, or ``PENDING`` while the blocks after the memory hits are read from
+        disk (started here if ``disk`` and the disk has the next one). Counts nothing:
+        ``record`` counts the hit a request takes. ``chain``: the prompt's keys, if known."""
+        chain = list(chain) if chain is not None else prompt_keys(tokens, self.block_size, self.root(salt))
+        hits = self.memory.lookup(chain)
+        rest = chain[len(hits):]
+        if rest and self.disk is not None:
+            if rest[0].key in self._reading:
+                return PENDING
+            if disk and self.disk.enabled and rest[0].key in self.disk:
+                self._read_blocks(rest, chain[len(hits) - 1] if hits else None)
+                return PENDING
         return chain[: len(hits)], hits
 
-    def insert(self, chain: Sequence[BlockKey], start: int, payloads: Sequence[Payload]) -> int:
-        """Cache blocks ``start .. start + len(payloads) - 1`` of ``chain`` (memory, and disk if
-        on). Returns how many the memory tier holds afterwards (a block whose parent was evicted
-        is refused: it could never be reached)."""
+    def _read_blocks(self, blocks: list[BlockKey], parent: BlockKey | None) -> None:
+        """Read ``blocks`` (a chain's continuation) on the reader thread, up to the first miss;
+        ``poll`` then loads them into the memory tier."""
+        start = blocks[0].key
+        self._reading.add(start)
+        disk = self.disk
+
+        def job() -> None:
+            found: list[tuple[BlockKey, list[Part]]] = []
+            for block in blocks:
+                parts = disk.get(block.key, block.tokens) if block.key in disk else None
+                if parts is None:
+                    break
+                found.append((block, parts))
+            self._done.put(lambda: self._load_blocks(start, parent, found))
+
+        disk.submit(job)
+
+    def _load_blocks(self, start: bytes, parent: BlockKey | None, found: list[tuple[BlockKey, list[Part]]]) -> None:
+        self._reading.discard(start)
+        for block, parts in found:
+            try:
+                loaded = self.memory.load(block, parent, parts)
+            except (ValueError, TypeError) as exc:  # parts that passed the checksum but do not decode
+                logger.warning("prefix cache: undecodable block %s (%s)", block.hex, exc)
+                return
+            if not loaded:
+                return
+            self._from_disk.add(block.key)
+            parent = block
+
+    def record(self, query_tokens: int, keys: Sequence[BlockKey]) -> None:
+        """Count one request's lookup and the hit it took (blocks loaded from disk for it count
+        as disk hits)."""
+        on_disk = sum(1 for k in keys if k.key in self._from_disk)
+        self._from_disk.difference_update(k.key for k in keys)
+        G = self.block_size
+        self._count(query_tokens, (len(keys) - on_disk) * G, on_disk * G)
+
+    def insert(self, chain: Sequence[BlockKey], start: int, items: Sequence[Any]) -> int:
+        """Cache blocks ``start .. start + len(items) - 1`` of ``chain`` (memory, and disk if
+        on). Returns how many the memory tier holds afterwards (a block whose parent is not
+        cached is refused: it could never be reached)."""
         held = 0
-        for offset, payload in enumerate(payloads):
+        for offset, item in enumerate(items):
             i = start + offset
             block, parent = chain[i], (chain[i - 1] if i else None)
-            held += self.memory.insert(block, parent, payload, payload.nbytes)
-            if self.disk is not None and self.disk.enabled and block.key not in self.disk:
-                self.disk.put(block.key, block.tokens, payload_to_parts(payload))
+            cached = self.memory.insert(block, parent, item)
+            held += cached
+            if cached and self.disk is not None and self.disk.enabled and block.key not in self.disk:
+                self.disk.put(block.key, block.tokens, self.memory.parts(item))
         return held
 
     # --- checkpoint tier ---
@@ -113,28 +170,104 @@ class PrefixCache:
                 self.disk.put(key, tuple(int(t) for t in tokens), payload_to_parts(payload))
         return held
 
-    def longest_snapshot(self, prompt: Sequence[int], salt: str | None) -> tuple[int, Payload] | None:
-        """(length, payload) of the longest snapshot of a proper prefix of ``prompt``, from memory
-        or (if longer there) from disk."""
+    def longest_snapshot(self, prompt: Sequence[int], salt: str | None, disk: bool = True) -> tuple[int, Payload] | None | Any:
+        """(length, payload) of the longest snapshot of a proper prefix of ``prompt`` in memory,
+        or ``PENDING`` while a longer one is read from disk (started here if ``disk``)."""
         root = self.root(salt)
         found = self.checkpoints.longest(root, prompt, self.block_size)
         best = found[0] if found else 0
-        source = "memory"
         if self.disk is not None:
-            for length in sorted((n for n in self.disk.lengths() if best < n < len(prompt)), reverse=True):
-                tokens = tuple(int(t) for t in prompt[:length])
-                parts = self.disk.get(snapshot_key(root, tokens, self.block_size), tokens)
-                if parts is None:
-                    continue
-                try:
-                    payload = payload_from_parts(parts)
-                except (ValueError, TypeError):
-                    continue
-                self.checkpoints.put(root, tokens, self.block_size, payload, payload.nbytes)
-                found, source = (length, payload), "disk"
-                break
-        hit = found[0] if found else 0
-        self._count(len(prompt), hit if source == "memory" else 0, hit if source == "disk" else 0)
+            longer = sorted((n for n in self.disk.lengths() if best < n < len(prompt)), reverse=True)
+            if longer:
+                first = snapshot_key(root, prompt[:longer[0]], self.block_size)
+                if first in self._reading:
+                    return PENDING
+                if disk and self.disk.enabled:
+                    self._read_snapshot(root, prompt, longer, first)
+                    return PENDING
+        return found
+
+    def _read_snapshot(self, root: bytes, prompt: Sequence[int], lengths: list[int], ident: bytes) -> None:
+        self._reading.add(ident)
+        disk, G = self.disk, self.block_size
+        candidates = [(tuple(int(t) for t in prompt[:n]), snapshot_key(root, prompt[:n], G)) for n in lengths]
+
+        def job() -> None:
+            got = None
+            for tokens, key in candidates:
+                parts = disk.get(key, tokens)
+                if parts is not None:
+                    got = (tokens, key, parts)
+                    break
+            self._done.put(lambda: self._load_snapshot(ident, root, got))
+
+        disk.submit(job)
+
+    def _load_snapshot(self, ident: bytes, root: bytes, got: tuple | None) -> None:
+        self._reading.discard(ident)
+        if got is None:
+            return
+        tokens, key, parts = got
+        try:
+            payload = payload_from_parts(parts)
+        except (ValueError, TypeError) as exc:
+            logger.warning("prefix cache: undecodable snapshot (%s)", exc)
+            return
+        if self.checkpoints.put(root, tokens, self.block_size, payload, payload.nbytes):
+            self._from_disk.add(key)
+
+    def record_snapshot(self, query_tokens: int, root: bytes, tokens: Sequence[int] | None) -> None:
+        """Count one request's snapshot lookup and the hit it took (``tokens``: the snapshot's)."""
+        if tokens is None:
+            self._count(query_tokens, 0, 0)
+            return
+        key = snapshot_key(root, tokens, self.block_size)
+        on_disk = key in self._from_disk
+        self._from_disk.discard(key)
+        self._count(query_tokens, 0 if on_disk else len(tokens), len(tokens) if on_disk else 0)
+
+    # --- reads in flight ---
+    @property
+    def reading(self) -> bool:
+        return bool(self._reading)
+
+    def poll(self) -> int:
+        """Take finished disk reads into memory (engine thread); returns how many."""
+        taken = 0
+        while True:
+            try:
+                apply = self._done.get_nowait()
+            except queue.Empty:
+                return taken
+            apply()
+            taken += 1
+
+    def wait(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for a read in flight to finish, then ``poll``."""
+        if self._reading:
+            try:
+                apply = self._done.get(timeout=timeout)
+            except queue.Empty:
+                return 0
+            apply()
+            return 1 + self.poll()
+        return self.poll()
+
+    def lookup_now(self, tokens: Sequence[int], salt: str | None) -> tuple[list[BlockKey], list[Any]]:
+        """``lookup`` that waits for its disk reads (tests, benchmarks), counted as one lookup."""
+        found = self.lookup(tokens, salt)
+        while found is PENDING:
+            self.wait(30.0)
+            found = self.lookup(tokens, salt, disk=False)
+        self.record(len(tokens), found[0])
+        return found
+
+    def longest_snapshot_now(self, prompt: Sequence[int], salt: str | None) -> tuple[int, Payload] | None:
+        found = self.longest_snapshot(prompt, salt)
+        while found is PENDING:
+            self.wait(30.0)
+            found = self.longest_snapshot(prompt, salt, disk=False)
+        self.record_snapshot(len(prompt), self.root(salt), prompt[: found[0]] if found else None)
         return found
 
     # --- upkeep ---
@@ -148,7 +281,17 @@ class PrefixCache:
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes the cache keeps in memory that no running request holds (what it may evict)."""
         return self.memory.nbytes + self.checkpoints.bytes
+
+    def evict_to(self, target: int) -> int:
+        """Evict until the cache keeps at most ``target`` bytes in memory (admission makes room)."""
+        evicted = self.checkpoints.evict_to(target - self.memory.nbytes)
+        return evicted + self.memory.evict_to(target - self.checkpoints.bytes)
+
+    @property
+    def memory_cap(self) -> int | None:
+        return self.checkpoints.budget_bytes if self.tier == "checkpoint" else self.memory.budget_bytes
 
     def describe(self) -> dict[str, Any]:
         s, m = self.stats, self.memory.stats
@@ -164,7 +307,7 @@ class PrefixCache:
             "lookups": s.lookups, "query_tokens": s.query_tokens, "hit_tokens": s.hit_tokens,
             "memory_hit_tokens": s.memory_hit_tokens, "disk_hit_tokens": s.disk_hit_tokens,
             "hit_rate": s.hit_tokens / s.query_tokens if s.query_tokens else 0.0,
-            "memory": {"blocks": len(self.memory), "bytes": self.memory.nbytes, "budget_bytes": self.memory.budget_bytes,
+            "memory": {"blocks": len(self.memory), "bytes": self.memory.nbytes, "cap_bytes": self.memory_cap,
                        "inserted": m.inserted, "evicted": m.evicted, "refused": m.refused, "hit_blocks": m.hit_blocks},
             "checkpoints": {"snapshots": len(self.checkpoints), "bytes": self.checkpoints.bytes,
                             "hits": self.checkpoints.hits, "evicted": self.checkpoints.evicted},

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -14,10 +15,12 @@ from apc.prefix_cache import PrefixCache
 from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
 from engine.model_runner import ModelRunner
+from engine.budget import PoolBudget, StaticBudget
+from engine.pool_tier import PoolTier
 from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
 from engine.output import OutputState, advance, new_detokenizer
-from engine.prefix import PrefixReuse, Restore, exact_tier_possible
-from engine.request import FinishReason, Request, RequestId, RequestOutput
+from engine.prefix import PrefixReuse, exact_tier_possible
+from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
 from kvarn.attention import install_attention_seam
@@ -25,6 +28,7 @@ from kvarn.baselines import count_quantized_layers, make_cache
 from kvarn.batch import make_batch_cache
 from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
+from kvarn.rows import RowStore
 from kvarn.pool import warm_quantizer
 from metal import attention_path
 
@@ -48,7 +52,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     attention seam is installed (every layout routes through it: KVarN rows, batches of rows,
     affine where MLX lacks its kernels) and one token is run through a fresh cache. A KV budget
     left unset (``config.kv_budget_bytes`` None) is derived from the machine's memory; the
-    prefix cache's memory tier is carved out of it."""
+    prefix cache keeps what running requests leave of it (no share of its own)."""
     layout = make_layout(kv or KVConfig(), loaded)
     config = config or SchedulerConfig()
     apc = apc or ApcConfig()
@@ -65,27 +69,30 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
         weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
         budget = default_budget_bytes(machine_memory_bytes(mx.device_info()), weights)
         config = replace(config, kv_budget_bytes=budget)
-    prefix = None
-    if apc.enabled:
-        apc_bytes = apc.memory_bytes if apc.memory_bytes is not None else config.kv_budget_bytes // 4
-        if apc_bytes > config.kv_budget_bytes:
-            raise ValueError(f"the prefix cache's memory ({apc_bytes:,} bytes) is carved out of the KV budget "
-                             f"({config.kv_budget_bytes:,} bytes) and cannot exceed it")
-        config = replace(config, kv_budget_bytes=config.kv_budget_bytes - apc_bytes)
-        prefix = make_prefix_reuse(loaded, layout, config, apc, apc_bytes, probe)
-    return Engine(loaded, layout, config, pricing, batch_decode=can_batch_decode(loaded, layout), prefix=prefix)
+    if apc.enabled and apc.memory_bytes is not None and apc.memory_bytes > config.kv_budget_bytes:
+        raise ValueError(f"the prefix cache's memory cap ({apc.memory_bytes:,} bytes) exceeds the KV budget "
+                         f"({config.kv_budget_bytes:,} bytes) it shares with running requests")
+    return Engine(loaded, layout, config, pricing, batch_decode=can_batch_decode(loaded, layout),
+                  apc=apc if apc.enabled else None)
 
 
-def make_prefix_reuse(loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig, apc: ApcConfig,
-                      memory_bytes: int, probe: list) -> PrefixReuse:
-    """The exact tier where every layer takes the layout (blocks of G tokens), else the
-    checkpoint tier (whole-row snapshots). The keys' stamp names the layout and the model."""
+def make_prefix_reuse(loaded: LoadedModel, layout: KVLayout, apc: ApcConfig, store: RowStore,
+                      headroom: Callable[[], int], probe: list) -> PrefixReuse:
+    """The exact tier where every layer takes the layout (blocks of G tokens: the block pool's
+    own blocks for KVarN rows in it, copies for the baselines), else the checkpoint tier
+    (whole-row snapshots). The keys' stamp names the layout and the model."""
     G = layout.tile_size
     tier = "exact" if exact_tier_possible(probe) else "checkpoint"
     stamp = layout.stamp(loaded.fingerprint)
-    cache = PrefixCache(stamp, loaded.fingerprint, G, memory_bytes, apc.disk_dir, apc.disk_bytes, tier=tier)
-    logger.info("prefix cache: %s tier, %s bytes in memory (carved from the KV budget)%s", tier,
-                f"{memory_bytes:,}", f", disk {apc.disk_dir} up to {apc.disk_bytes:,} bytes" if apc.disk_dir else "")
+    memory: Any = apc.memory_bytes
+    if tier == "exact" and store.pool is not None:
+        memory = PoolTier(store.pool, apc.memory_bytes, headroom)
+    cache = PrefixCache(stamp, loaded.fingerprint, G, memory, apc.disk_dir, apc.disk_bytes, tier=tier,
+                        headroom=headroom)
+    cap = f"up to {apc.memory_bytes:,} bytes" if apc.memory_bytes is not None else "no cap"
+    logger.info("prefix cache: %s tier%s, in what the KV budget leaves free (%s)%s", tier,
+                " in the block pool" if isinstance(memory, PoolTier) else "", cap,
+                f", disk {apc.disk_dir} up to {apc.disk_bytes:,} bytes" if apc.disk_dir else "")
     return PrefixReuse(cache, layout)
 
 
@@ -135,15 +142,31 @@ class Engine:
     output with ``finish_reason`` set, after which the engine holds nothing of it."""
 
     def __init__(self, loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig | None = None,
-                 pricing: Pricing | None = None, batch_decode: bool = True, prefix: PrefixReuse | None = None) -> None:
+                 pricing: Pricing | None = None, batch_decode: bool = True, apc: ApcConfig | None = None) -> None:
+        """``apc``: the prefix cache (None: off)."""
         self.loaded = loaded
         self.layout = layout
-        self.pricing = pricing or make_pricing(loaded, layout, (config or SchedulerConfig()).prefill_chunk_size)
-        self.prefix = prefix
-        self.scheduler = Scheduler(config or SchedulerConfig(), self._price,
-                                   lookup=self._lookup if prefix is not None else None)
-        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
-                                  restore=prefix.make_row if prefix is not None else None)
+        config = config or SchedulerConfig()
+        self.pricing = pricing or make_pricing(loaded, layout, config.prefill_chunk_size)
+        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity)
+        pool = self.runner.store.pool
+        if pool is not None:  # KVarN rows in the block pool: shared blocks counted once
+            budget: StaticBudget = PoolBudget(self.pricing, config.kv_budget_bytes, lambda: pool.records.num_held,
+                                              self.runner.row_records)
+            if config.kv_budget_bytes is not None:  # the pool never needs more ids than the budget pays for
+                pool.max_blocks["records"] = config.kv_budget_bytes // max(self.pricing.block_bytes(), 1) + 1
+                sink_bytes = self.pricing.window_bytes() // getattr(mx, layout.window_dtype).size  # float16 sink
+                pool.max_blocks["sinks"] = config.kv_budget_bytes // max(sink_bytes, 1) + 1
+        else:
+            budget = StaticBudget(self._price, config.kv_budget_bytes)
+        self.scheduler = Scheduler(config, budget)
+        self.prefix: PrefixReuse | None = None
+        if apc is not None:
+            probe = make_cache(loaded.model, layout, capacity=1)
+            mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
+            self.prefix = make_prefix_reuse(loaded, layout, apc, self.runner.store, self.scheduler.headroom, probe)
+            self.scheduler.cache = self.prefix
+            self.runner.restore, self.runner.release = self.prefix.make_row, self.prefix.release
         # rows that cannot be cut at blocks (sliding windows, recurrent state) end prompt chunks
         # where the checkpoint tier snapshots them, with or without the cache (same numbers)
         self.cuts_for_snapshots = not exact_tier_possible(make_cache(loaded.model, layout))
@@ -157,15 +180,12 @@ class Engine:
     def _capacity(self, request: Request) -> int:
         return self.pricing.reserved_tokens(request.num_prompt_tokens, request.params.max_tokens)
 
-    # --- prefix cache ---
-    def _lookup(self, request: Request) -> Restore | None:
-        """At admission: the longest cached prefix (the plan's first chunk carries it to the runner)."""
-        try:
-            return self.prefix.lookup(request)
-        except Exception:  # a cache failure is a miss, never a failed request
-            logger.exception("prefix cache lookup failed")
-            return None
+    def cost_alone(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """What a request costs in an empty engine (the front door's check; pure Python, any thread)."""
+        probe = Request(RequestId("probe"), [0] * prompt_tokens, SamplingParams(max_tokens=max_tokens))
+        return self.scheduler.budget.cost(probe, n)
 
+    # --- prefix cache ---
     def close(self) -> None:
         """Finish the prefix cache's disk writes (shutdown)."""
         if self.prefix is not None:
@@ -190,7 +210,8 @@ class Engine:
         return {"apc_lookups": c.stats.lookups, "apc_query_tokens": c.stats.query_tokens,
                 "apc_hit_tokens": c.stats.hit_tokens, "apc_inserted_blocks": c.memory.stats.inserted,
                 "apc_evicted_blocks": c.memory.stats.evicted + c.checkpoints.evicted,
-                "apc_memory_bytes": c.memory_bytes, "apc_memory_budget_bytes": c.memory.budget_bytes,
+                "apc_memory_bytes": c.memory_bytes,
+                "apc_memory_budget_bytes": c.memory_cap if c.memory_cap is not None else self.kv_budget_bytes,
                 "apc_disk_bytes": disk.bytes if disk else 0,
                 "apc_disk_errors": (disk.bad_files + disk.write_errors) if disk else 0}
 
@@ -212,7 +233,7 @@ class Engine:
             if member.request_id in self.requests:
                 raise ValueError(f"duplicate request id {member.request_id}")
         if not self.scheduler.fits_alone(request, len(group)):
-            need = self._price(request, len(group)).total
+            need = self.scheduler.budget.cost(request, len(group))
             raise RequestTooLarge(f"this request needs {need:,} bytes of KV cache (prompt {request.num_prompt_tokens} "
                                   f"+ max_tokens {request.params.max_tokens}, n={len(group)}) but the whole "
                                   f"KV budget is {self.kv_budget_bytes:,} bytes; reduce max_tokens, the prompt or n")
@@ -250,7 +271,12 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
+        if self.prefix is not None:
+            self.prefix.cache.poll()  # blocks read from disk since the last step join the memory tier
         plan = self.scheduler.plan()
+        if plan.is_empty and self.prefix is not None and self.prefix.cache.reading:
+            self.prefix.cache.wait(0.05)  # nothing to run but a disk read: wait for it, not spin
+            return []
         result = self.runner.run(plan, self.requests)
         return self.update(plan, result)
 
@@ -291,5 +317,6 @@ class Engine:
         self.runner.free((request.request_id,))
         if self.prefix is not None:
             self.prefix.forget(request.request_id)
+            self.prefix.trim()  # blocks the row let go of are the cache's now: within its cap
         self.requests.pop(request.request_id, None)
         self._outputs.pop(request.request_id, None)

@@ -96,7 +96,7 @@ class EngineClient:
         self._submitted = 0  # requests past the front door whose add the engine has not taken yet
         self._max_num_seqs = config.scheduler.max_num_seqs
         self._lock = threading.Lock()
-        self._pricing: Any = None
+        self._cost: Callable[[int, int, int], int] | None = None
         self._budget: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name="kvarn-engine", daemon=True)
@@ -137,8 +137,8 @@ class EngineClient:
         ``RequestRejected``: 400 if it can never fit in the KV budget, 429 if the waiting queue
         is full. The returned ``Admission`` holds the request's queue place until ``generate``
         hands it to the engine (or until it is dropped), so a burst cannot overfill the queue."""
-        if self._pricing is not None and self._budget is not None:
-            need = self._pricing.reservation(prompt_tokens, max_tokens, n).total
+        if self._cost is not None and self._budget is not None:
+            need = self._cost(prompt_tokens, max_tokens, n)  # the engine's own admission price
             if need > self._budget:
                 raise RequestRejected(400, f"This request needs {need:,} bytes of KV cache (a {prompt_tokens}-token "
                                            f"prompt + max_tokens {max_tokens}, n={n}) but the server's whole KV "
@@ -252,7 +252,7 @@ class EngineClient:
             loaded = load_model(self.config.model_path, self.config.dtype, self.config.model_id)
             engine = make_engine(loaded, self.config.scheduler, self.config.kv, self.config.apc)
             self._tokenizer = loaded.tokenizer
-            self._pricing, self._budget = engine.pricing, engine.kv_budget_bytes
+            self._cost, self._budget = engine.cost_alone, engine.kv_budget_bytes
             logger.info("KV layout %s; KV budget %s bytes (%.1f MiB); a full-context sequence costs %s bytes",
                         engine.layout.name, f"{self._budget:,}", self._budget / 2**20,
                         f"{engine.pricing.sequence_bytes(loaded.context_length):,}")

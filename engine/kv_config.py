@@ -19,9 +19,10 @@ class KVConfig:
 
 @dataclass(frozen=True)
 class ApcConfig:
-    """The automatic prefix cache, in plain values. ``memory_bytes`` None: a quarter of the KV
-    budget (the tier's bytes are carved out of the KV budget, never added to it); ``disk_dir``
-    None: memory only."""
+    """The automatic prefix cache, in plain values. ``memory_bytes``: a cap on what the cache keeps
+    in memory beside running requests (None: no cap; it keeps what running requests leave of the
+    KV budget and gives it back when admission needs it: never added to the budget);
+    ``disk_dir`` None: memory only."""
 
     enabled: bool = True
     memory_bytes: int | None = None

@@ -79,22 +79,32 @@ class DecodeBatch:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
-                 capacity: Any = None, restore: Any = None) -> None:
+                 capacity: Any = None, restore: Any = None, release: Any = None) -> None:
         """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
         once); ``restore(hit, fresh)`` fills a fresh row from a prefix-cache hit that a plan's
-        chunk carries (``PrefillChunk.restore``) and returns it; ``batch_decode`` False runs each
-        decoding row alone (models whose caches cannot be batched, e.g. recurrent layers)."""
+        chunk carries (``PrefillChunk.restore``) and returns it, ``release(hit)`` lets go of a
+        hit no row took (its step failed first); ``batch_decode`` False runs each decoding row
+        alone (models whose caches cannot be batched, e.g. recurrent layers)."""
         self.loaded = loaded
         self.layout = layout
         self.batch_decode = batch_decode
         self.capacity = capacity
         self.restore = restore
+        self.release = release
         self.store = RowStore(loaded.model, layout)
         self.rows: dict[RequestId, Row] = {}
         self.batch = DecodeBatch()
 
     def kv_nbytes(self) -> int:
+        """Bytes the rows hold (blocks shared by several rows counted once)."""
+        if self.store.pool is not None:
+            return self.store.pool.held_bytes()
         return sum(cache_nbytes(row.cache) for row in self.rows.values())
+
+    def row_records(self, request_id: RequestId) -> int | None:
+        """Record blocks a KVarN row in the pool holds (None: no such row yet)."""
+        row = self.rows.get(request_id)
+        return len(row.cache[0].row.table) if row is not None and self.store.pool is not None else None
 
     def free(self, request_ids: tuple[RequestId, ...]) -> None:
         """Release rows now (their bytes go with them): the engine frees a row as soon as its
@@ -121,6 +131,9 @@ class ModelRunner:
             logger.exception("step failed")
             involved = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks]
             involved += list(plan.decodes)
+            for chunk in plan.prefills:  # a hit its row never took (a no-op for one it took)
+                if chunk.restore is not None and self.release is not None:
+                    self.release(chunk.restore)
             self.batch.clear()
             self.free(tuple(involved))
             return StepResult(failed={request_id: f"generation failed: {exc}" for request_id in involved})

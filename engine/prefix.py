@@ -1,20 +1,27 @@
 """Prefix reuse: the engine's side of the automatic prefix cache (``apc``).
 
-The engine asks three things of it, all on the engine thread:
+The scheduler asks it, at admission and on the engine thread (``engine.scheduler.CacheHooks``):
 
-- ``lookup(request)`` at admission: the longest cached prefix of the prompt, as a ``Restore``
-  (tokens it covers, and what rebuilds the row); the scheduler then prefills only the rest;
-- ``make_row(restore, empty)``: an empty row of the runner's filled from it;
-- ``after_step(...)``: cache what the step completed: whole blocks of prompts and of generated
-  text (exact tier), or whole-row snapshots at chosen prompt lengths (checkpoint tier).
+- ``lookup(request)``: the longest cached prefix of the prompt, as a ``Restore`` (tokens it
+  covers, and what rebuilds the row; a block-pool hit is pinned from here on), or ``PENDING``
+  while the disk tier reads it on its own thread (the request waits; running rows go on);
+- ``release(restore)`` if the request is not admitted now, ``admit(request, restore)`` if it is;
+- ``cached_bytes()`` / ``evict_to(target)``: what the cache keeps beside running rows, and
+  making room for a request.
+
+and after admission: ``make_row(restore, empty)`` fills the new row (the runner), and
+``after_step(...)`` caches what the step completed: whole blocks of prompts and of generated text
+(exact tier), or whole-row snapshots at chosen prompt lengths (checkpoint tier).
 
 **Exact tier** (every layer takes the KV layout): a block is G tokens of every layer.
-- fp16 / affine: the block's keys and values (every token's are final once written, whatever
-  the chunking), so any cached block is what a run without the cache would compute.
-- KVarN: block 0 is the float16 sink, block i > 0 is record i - 1. Every token, in any prompt
-  chunk or in decode, attends with decode's view (the sink, the records of committed tiles,
-  its own tile in float16), and a record depends only on its own tile, so any cached block is
-  what a run without the cache would compute, whatever the chunking.
+- KVarN rows in the block pool: the pool's hashed blocks are the memory tier
+  (``engine/pool_tier.py``): block 0 is the float16 sink (a cached copy), block i > 0 is record
+  i - 1, shared by reference count. Every token, in any prompt chunk or in decode, attends with
+  decode's view (the sink, the records of committed tiles, its own tile in float16), and a record
+  depends only on its own tile, so any cached block is what a run without the cache would
+  compute, whatever the chunking.
+- fp16 / affine: copies of the block's keys and values (``apc.memory_tier``; every token's are
+  final once written, whatever the chunking).
 
 **Checkpoint tier** (sliding windows, recurrent layers): the whole row after exactly L tokens,
 at the end of a chat's system prompt and at the prompt's last token but one (the engine sets
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,27 +45,31 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from apc.blocks import Payload
-from apc.hashing import BlockKey
-from apc.prefix_cache import PrefixCache
+from apc.hashing import BlockKey, prompt_keys
+from apc.prefix_cache import PENDING as READING, PrefixCache
+from engine.pool_tier import PoolHit, PoolTier, SinkOf
 from engine.request import Request, RequestId
+from engine.scheduler import PENDING
 from engine.step_types import StepPlan
 from kvarn.baselines import AffineKVCache, FP16KVCache, uses_layout
 from kvarn.cache import Block, KVarNKVCache
 from kvarn.layout import KVLayout
-from kvarn.paged import PagedLayer
 from kvarn.slots import SlotRow
 
 logger = logging.getLogger(__name__)
 
-_WIDTH = {"sink": 2, "record": 8, "fp16": 2, "affine": 6}  # arrays per layer of a block
+_WIDTH = {"fp16": 2, "affine": 6}  # arrays per layer of a copied block
 
 
 @dataclass
 class Restore:
-    """What a lookup found: ``tokens`` prompt tokens, as blocks (exact tier) or a snapshot."""
+    """What a lookup found: ``tokens`` prompt tokens, as pinned pool blocks, block copies (exact
+    tier) or a snapshot."""
 
     tokens: int
+    keys: list[BlockKey] = field(default_factory=list)
     blocks: list[Payload] = field(default_factory=list)
+    pool: PoolHit | None = None
     snapshot: Payload | None = None
 
 
@@ -77,30 +88,80 @@ class PrefixReuse:
         self.cache = cache
         self.layout = layout
         self.G = cache.block_size
+        self.pool_tier = cache.memory if isinstance(cache.memory, PoolTier) else None
         self.progress: dict[RequestId, _Progress] = {}
+        self._chains: dict[RequestId, list[BlockKey]] = {}  # prompt keys of requests waiting for admission
+        self._read: set[RequestId] = set()  # requests whose disk read was started (one per request)
 
     @property
     def tier(self) -> str:
         return self.cache.tier
 
-    # --- admission ---
-    def lookup(self, request: Request) -> Restore | None:
+    # --- admission (``engine.scheduler.CacheHooks``) ---
+    def lookup(self, request: Request) -> Restore | None | Any:
+        rid = request.request_id
+        disk = rid not in self._read
         if self.tier == "exact":
-            keys, blocks = self.cache.lookup(request.prompt_ids, request.cache_salt)
-            if not blocks:
+            chain = self._chains.get(rid)
+            if chain is None:
+                chain = self._chains[rid] = prompt_keys(request.prompt_ids, self.G, self.cache.root(request.cache_salt))
+            found = self.cache.lookup(request.prompt_ids, request.cache_salt, disk=disk, chain=chain)
+            if found is READING:
+                self._read.add(rid)
+                return PENDING
+            keys, hits = found
+            if not hits:
                 return None
-            self.progress[request.request_id] = _Progress(next_block=len(blocks), keys=list(keys))
-            return Restore(len(blocks) * self.G, blocks=blocks)
-        found = self.cache.longest_snapshot(request.prompt_ids, request.cache_salt)
+            if self.pool_tier is not None:
+                return Restore(len(hits) * self.G, keys, pool=self.pool_tier.pin(hits))
+            return Restore(len(hits) * self.G, keys, blocks=hits)
+        found = self.cache.longest_snapshot(request.prompt_ids, request.cache_salt, disk=disk)
+        if found is READING:
+            self._read.add(rid)
+            return PENDING
         if found is None:
             return None
         length, payload = found
         return Restore(length, snapshot=payload)
 
+    def release(self, restore: Restore) -> None:
+        """A hit that no row took (not admitted now, or its step failed first): unpinned."""
+        if restore.pool is not None:
+            self.pool_tier.unpin(restore.pool)
+
+    def admit(self, request: Request, restore: Restore | None) -> None:
+        rid = request.request_id
+        self._chains.pop(rid, None)
+        self._read.discard(rid)
+        query = request.num_prompt_tokens
+        if self.tier == "exact":
+            keys = restore.keys if restore is not None else []
+            self.cache.record(query, keys)
+            if keys:
+                self.progress[rid] = _Progress(next_block=len(keys), keys=list(keys))
+        else:
+            tokens = request.prompt_ids[: restore.tokens] if restore is not None else None
+            self.cache.record_snapshot(query, self.cache.root(request.cache_salt), tokens)
+
+    def cached_bytes(self) -> int:
+        return self.cache.memory_bytes
+
+    def trim(self) -> None:
+        """Within the cap, after rows let go of blocks the cache keeps (the pool tier)."""
+        cap = self.cache.memory_cap
+        if cap is not None and self.cache.memory_bytes > cap:
+            self.cache.evict_to(cap)
+
+    def evict_to(self, target: int) -> None:
+        self.cache.evict_to(target)
+
     def make_row(self, restore: Restore, empty: list[Any]) -> list[Any]:
         """``empty`` (a new row of the runner's, with its reservation) filled from ``restore``."""
         if restore.snapshot is not None:
             return load_snapshot(empty, restore.snapshot)
+        if restore.pool is not None:
+            self.pool_tier.adopt(restore.pool, empty[0].row)
+            return empty
         out = []
         for l, layer in enumerate(empty):
             blocks = [Block(i, p.kind, p.arrays[l * _WIDTH[p.kind]: (l + 1) * _WIDTH[p.kind]])
@@ -133,6 +194,8 @@ class PrefixReuse:
 
     def forget(self, request_id: RequestId) -> None:
         self.progress.pop(request_id, None)
+        self._chains.pop(request_id, None)
+        self._read.discard(request_id)
 
     def _cache_blocks(self, request: Request, cache: list[Any]) -> None:
         progress = self.progress.setdefault(request.request_id, _Progress())
@@ -145,18 +208,21 @@ class PrefixReuse:
             return
         tokens = (request.prompt_ids + request.output_ids)[:computed]
         progress.keys = self.cache.chain(tokens, request.cache_salt, progress.keys)
-        payloads = [self._layout_block(cache, i) for i in range(start, complete)]
-        # evaluated now: a pending copy would keep its source (the row's whole buffer) alive
-        mx.eval([a for payload in payloads for a in payload.arrays])
-        self.cache.insert(progress.keys, start, payloads)
+        if self.pool_tier is not None:  # the row's own blocks (its sink copied once)
+            row = cache[0].row
+            items = [SinkOf(row) if i == 0 else row.table[i - 1] for i in range(start, complete)]
+        else:
+            items = [self._layout_block(cache, i) for i in range(start, complete)]
+            # evaluated now: a pending copy would keep its source (the row's whole buffer) alive
+            mx.eval([a for payload in items for a in payload.arrays])
+        held = self.cache.insert(progress.keys, start, items)
         progress.next_block = complete
+        if held < len(items):  # a block the cache refused: nothing after it can be reached
+            progress.done = True
 
     def _layout_block(self, cache: list[Any], i: int) -> Payload:
+        """Block ``i`` of an fp16 / affine row as a payload of copies."""
         G = self.G
-        if self.layout.scheme == "kvarn":
-            if i == 0:
-                return _join("sink", [layer.sink_block().arrays for layer in cache])
-            return _join("record", [layer.record_blocks(i, i + 1)[0].arrays for layer in cache])
         kind = "fp16" if self.layout.scheme == "fp16" else "affine"
         arrays = []
         for layer in cache:
@@ -179,15 +245,7 @@ class PrefixReuse:
             self.cache.put_snapshot(request.prompt_ids[:end], request.cache_salt, payload)
 
 
-def _join(kind: str, per_layer: Sequence[tuple[mx.array, ...]]) -> Payload:
-    return Payload(kind, tuple(a for arrays in per_layer for a in arrays))
-
-
 def _restore_layer(layer: Any, blocks: list[Block], G: int) -> Any:
-    if isinstance(layer, PagedLayer):
-        return layer.load_blocks(blocks)
-    if isinstance(layer, KVarNKVCache):
-        return KVarNKVCache.from_blocks(layer.layout, blocks)
     if isinstance(layer, SlotRow):
         width = len(blocks[0].arrays) // 2
         legs = [tuple(mx.concatenate([b.arrays[leg * width + j] for b in blocks], axis=2) for j in range(width))

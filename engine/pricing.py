@@ -78,6 +78,21 @@ class Pricing:
                 total += layer.fixed_bytes
         return total
 
+    def records(self, tokens: int) -> int:
+        """KVarN: record blocks of a sequence of ``tokens`` tokens (full tiles after the sink)."""
+        G = self.layout.tile_size
+        return max(0, tokens - G) // G
+
+    def block_bytes(self) -> int:
+        """KVarN: one record block, every layer (what ``sequence_bytes`` adds per full tile)."""
+        G = self.layout.tile_size
+        return sum(int(G * self.layout.bytes_per_token(l.head_dim, l.n_kv_heads)) for l in self.layers
+                   if l.kind == "layout")
+
+    def window_bytes(self) -> int:
+        """KVarN: one row's window (sink and tail), every layer: ``sequence_bytes`` of one token."""
+        return self.sequence_bytes(1)
+
     def transient_bytes(self, tokens: int) -> int:
         """Bound on the extra memory of one prefill chunk attending over ``tokens`` tokens: the
         score matrix of one layer (MLX's CPU attention materializes it for a chunk) and, for

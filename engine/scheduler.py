@@ -12,29 +12,49 @@ step instead of being cut. Every chunk attends with decode's view, but matmuls o
 round differently, so fixed boundaries make a request compute the same alone and in any batch. The config guarantees
 the first chunk of a step always fits (budget >= max_num_seqs + chunk).
 
-Admission is by capacity: a waiting request is admitted only if its reservation (``Pricing``:
-the exact KV bytes of prompt + max_tokens, plus one prefill chunk's transient memory until its
-prompt is done) fits in the KV budget beside what running requests hold. The queue is FIFO: a
-head that does not fit yet waits, and nothing behind it overtakes it.
+Admission is by capacity, checked in one place (``engine/budget.py``): a waiting request is
+admitted only if its cost (the exact KV bytes of prompt + max_tokens, less the blocks a prefix
+hit shares, plus one prefill chunk's transient memory until its prompt is done) fits in the KV
+budget beside what running requests hold; the prefix cache keeps what is left and is evicted
+from to make the room. The queue is FIFO: a head that does not fit yet, or whose prefix is
+being read from disk, waits, and nothing behind it overtakes it.
 
 ``n > 1``: the other choices of a request are added with ``fork_of`` set. They wait beside
 their parent (priced with it), and when the parent's last prompt chunk runs they become rows
-sharing its history (no second prefill), each with its own share of the reservation.
+sharing its history (no second prefill).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
-from engine.pricing import Reservation
+from engine.budget import StaticBudget
 from engine.request import FinishReason, Request, RequestId, RequestStatus
 from engine.step_types import PrefillChunk, StepPlan, StepResult
 
-PriceFn = Callable[[Request, int], Reservation]  # (request, number of choices) -> reservation
-LookupFn = Callable[[Request], Any]  # request -> a prefix-cache hit (its ``tokens`` restored) or None
+PENDING: Any = object()  # a lookup still reading from disk (``CacheHooks.lookup``)
+
+
+class CacheHooks(Protocol):
+    """What admission asks of the prefix cache (the engine's ``PrefixReuse``)."""
+
+    def lookup(self, request: Request) -> Any:
+        """A hit (with ``tokens``: prompt tokens it restores, pinned until taken or released),
+        None, or ``PENDING`` (ask again next step)."""
+
+    def release(self, hit: Any) -> None:
+        """A hit looked up for a request that is not admitted now."""
+
+    def admit(self, request: Request, hit: Any) -> None:
+        """The request is admitted with ``hit`` (None: a miss)."""
+
+    def cached_bytes(self) -> int:
+        """What the cache keeps in memory that no running request holds."""
+
+    def evict_to(self, target: int) -> None:
+        """Keep at most ``target`` bytes."""
 
 
 @dataclass(frozen=True)
@@ -63,35 +83,43 @@ class Scheduler:
 
     Invariants: a request is in at most one queue (pending forks live beside their parent);
     ``running`` keeps admission order; a row that finished or was aborted is reported in the
-    next plan's ``freed`` exactly once; ``reserved_bytes`` is the sum of the reservations of
-    running requests and never exceeds the budget.
+    next plan's ``freed`` exactly once; ``reserved_bytes`` (what running requests hold or may
+    still take, ``engine/budget.py``) never exceeds the budget, and with what the prefix cache
+    keeps it does not exceed it after an admission.
     """
 
-    def __init__(self, config: SchedulerConfig, price: PriceFn | None = None, lookup: LookupFn | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, budget: StaticBudget | None = None,
+                 cache: CacheHooks | None = None) -> None:
+        """``budget``: what requests cost and hold (None: nothing is priced); ``cache``: the
+        prefix cache's admission hooks (None: no cache)."""
         self.config = config
-        self.price = price
-        self.lookup = lookup
+        self.budget = budget
+        self.cache = cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.forks: dict[RequestId, list[Request]] = {}
-        self.reservations: dict[RequestId, Reservation] = {}
         self._freed: list[RequestId] = []
 
-    # --- admission ---
-    def reservation(self, request: Request, n: int = 1) -> Reservation:
-        return self.price(request, n) if self.price is not None else Reservation(0)
-
+    # --- admission (one check: ``engine/budget.py``) ---
     def fits_alone(self, request: Request, n: int = 1) -> bool:
         budget = self.config.kv_budget_bytes
-        return budget is None or self.reservation(request, n).total <= budget
+        return budget is None or self.budget is None or self.budget.cost(request, n) <= budget
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(r.total for r in self.reservations.values())
+        """What running requests (and choices waiting to fork) hold or may still take."""
+        if self.budget is None:
+            return 0
+        pending = [f for r in self.running for f in self.forks.get(r.request_id, ())]
+        return self.budget.committed(self.running, pending)
 
-    def _fits(self, reservation: Reservation) -> bool:
+    def headroom(self) -> int:
+        """The KV budget left beside running requests and what the prefix cache keeps."""
         budget = self.config.kv_budget_bytes
-        return budget is None or self.reserved_bytes + reservation.total <= budget
+        if budget is None:
+            return 1 << 62
+        cached = self.cache.cached_bytes() if self.cache is not None else 0
+        return budget - self.reserved_bytes - cached
 
     # --- queues ---
     def add(self, request: Request) -> None:
@@ -120,21 +148,13 @@ class Scheduler:
             self.waiting.remove(request)
         elif request.fork_of is not None and request in self.forks.get(request.fork_of, []):
             self.forks[request.fork_of].remove(request)
-            self._shrink_parent(request.fork_of)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.reservations.pop(request.request_id, None)
         orphans = self.forks.pop(request.request_id, [])
         for fork in orphans:
             fork.status = RequestStatus.FINISHED
             fork.finish_reason = reason
         return orphans
-
-    def _shrink_parent(self, parent_id: RequestId) -> None:
-        """A pending fork left: its parent (if admitted) holds one choice less."""
-        parent = next((r for r in self.running if r.request_id == parent_id), None)
-        if parent is not None:
-            self.reservations[parent_id] = self.reservation(parent, 1 + len(self.forks[parent_id]))
 
     def plan(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
@@ -155,33 +175,37 @@ class Scheduler:
             n = 1 + len(self.forks.get(request.request_id, ()))
             if len(self.running) + n > self.config.max_num_seqs and self.running:
                 break
-            reservation = self.reservation(request, n)
-            if not self._fits(reservation):
+            hit = self.cache.lookup(request) if self.cache is not None else None
+            if hit is PENDING:  # its prefix is being read from disk: running rows go on
                 break
-            if self.lookup is not None and not request.looked_up:  # once, when it could run now
-                request.looked_up = True
-                request.prefix_hit = self.lookup(request)
-                hit_tokens = request.prefix_hit.tokens if request.prefix_hit is not None else 0
-                request.num_cached_tokens = request.num_computed_tokens = hit_tokens
-            chunk = self._chunk(request)
-            if chunk.num_tokens > budget:
+            hit_tokens = hit.tokens if hit is not None else 0
+            chunk = self._chunk(request, start=hit_tokens)
+            cost = self.budget.cost(request, n, hit_tokens) if self.budget is not None else 0
+            room = self.config.kv_budget_bytes - self.reserved_bytes - cost \
+                if self.config.kv_budget_bytes is not None else None
+            if (room is not None and room < 0) or chunk.num_tokens > budget:
+                if hit is not None:
+                    self.cache.release(hit)
                 break
-            if request.prefix_hit is not None:  # the first chunk takes the hit to the runner
-                chunk, request.prefix_hit = replace(chunk, restore=request.prefix_hit), None
+            if room is not None and self.cache is not None and self.cache.cached_bytes() > room:
+                self.cache.evict_to(room)  # the prefix cache gives the request its room
+            if self.cache is not None:
+                self.cache.admit(request, hit)
+            request.num_cached_tokens = request.num_computed_tokens = hit_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self.reservations[request.request_id] = reservation
-            prefills.append(chunk)
+            prefills.append(replace(chunk, restore=hit) if hit is not None else chunk)
             budget -= chunk.num_tokens
         freed, self._freed = tuple(self._freed), []
         return StepPlan(prefills=tuple(prefills), decodes=decodes, freed=freed)
 
-    def _chunk(self, request: Request) -> PrefillChunk:
+    def _chunk(self, request: Request, start: int | None = None) -> PrefillChunk:
         """Chunk ends are multiples of the chunk size from token 0 (a prompt restored from the
         prefix cache at any block first finishes its chunk), and the prompt lengths in
         ``snapshot_at`` (where the checkpoint tier keeps a whole-row snapshot)."""
-        start, C = request.num_computed_tokens, self.config.prefill_chunk_size
+        start = request.num_computed_tokens if start is None else start
+        C = self.config.prefill_chunk_size
         end = min((start // C + 1) * C, request.num_prompt_tokens,
                   *(p for p in request.snapshot_at if p > start))
         is_last = end == request.num_prompt_tokens
@@ -212,12 +236,9 @@ class Scheduler:
         return advanced
 
     def _end_prefill(self, request: Request, chunk: PrefillChunk, by_id: dict[RequestId, Request]) -> None:
-        """The prompt is in the cache: the transient is released and the forks become rows
-        (a request whose step failed was finished before this, with its forks)."""
+        """The prompt is in the cache: its transient ends (it is no longer prefilling) and the
+        forks become rows (a request whose step failed was finished before this, with its forks)."""
         forks = [f for f in self.forks.pop(request.request_id, []) if f.request_id in chunk.forks]
-        held = self.reservations[request.request_id]
-        share = Reservation(kv=held.kv // (1 + len(forks)))
-        self.reservations[request.request_id] = share
         position = self.running.index(request) + 1
         for fork in forks:
             fork.status = RequestStatus.RUNNING
@@ -225,5 +246,4 @@ class Scheduler:
             fork.num_cached_tokens = request.num_cached_tokens
             self.running.insert(position, fork)
             position += 1
-            self.reservations[fork.request_id] = share
             by_id[fork.request_id] = fork

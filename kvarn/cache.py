@@ -119,19 +119,6 @@ class KVarNRowProtocol(_BaseCache):
             self.chunk = Chunk(start=start, window_start=window_start, window_k=window[0], window_v=window[1])
         self.offset += L
 
-    # --- blocks (the prefix cache's unit: G tokens each) ---
-    def fill_from_blocks(self, blocks: list[Block]) -> None:
-        """Fill this empty row with ``blocks`` 0, 1, ...: the sink, then records."""
-        kinds = [b.kind for b in blocks]
-        if self.offset or not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
-                or kinds[0] != "sink" or any(kind != "record" for kind in kinds[1:]):
-            raise ValueError("blocks must be the sink then records, in order from block 0, into an empty row")
-        self._load_sink(*blocks[0].arrays)
-        if blocks[1:]:
-            self._load_records(blocks[1:])
-        self.offset = len(blocks) * self.layout.tile_size
-
-
 class KVarNKVCache(KVarNRowProtocol):
     """Invariants: ``offset`` = tokens seen; sink holds ``min(offset, G)`` of them; records hold
     ``records.num_tiles * G``; the tail holds the rest (< G). Trim is tail-only: tokens already
@@ -234,8 +221,15 @@ class KVarNKVCache(KVarNRowProtocol):
         """A row holding exactly ``blocks`` (``len(blocks) * G`` tokens, empty tail): what the
         original row held at that token, byte for byte, without re-quantizing records.
         ``blocks`` are blocks 0, 1, ... in order: the sink then records."""
+        kinds = [b.kind for b in blocks]
+        if not blocks or [b.index for b in blocks] != list(range(len(blocks))) \
+                or kinds[0] != "sink" or any(kind != "record" for kind in kinds[1:]):
+            raise ValueError("blocks must be the sink then records, in order from block 0, into an empty row")
         cache = cls(layout)
-        cache.fill_from_blocks(blocks)
+        cache._load_sink(*blocks[0].arrays)
+        if blocks[1:]:
+            cache._load_records(blocks[1:])
+        cache.offset = len(blocks) * layout.tile_size
         return cache
 
     def _load_sink(self, sink_k: mx.array, sink_v: mx.array) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kvarn.cache import Block, Chunk, KVarNRowProtocol
+from kvarn.cache import Chunk, KVarNRowProtocol
 from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks
 from kvarn.quantize import rotate
@@ -100,7 +100,7 @@ def _copy_slot(buffer: mx.array, src: int, dst: int) -> mx.array:
     return buffer
 
 
-def _single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
+def single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
     """One block's block-major fields in ``RecordArrays``'s single-tile layout (the prefix
     cache's block format, shared with ``KVarNKVCache``)."""
     k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c = (fields[n] for n in RECORD_FIELDS)
@@ -108,8 +108,8 @@ def _single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
             v_alpha[None, :, None], v_beta[None, :, None], v_c[None, :, None])
 
 
-def _block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
-    """The inverse of ``_single_tile`` for one block."""
+def block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
+    """The inverse of ``single_tile`` for one block."""
     k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c = arrays
     return {"k_codes": k_codes[0], "k_alpha": k_alpha[0, ..., 0], "k_beta": k_beta[0, ..., 0], "k_r": k_r[0],
             "v_codes": v_codes[0, :, 0], "v_alpha": v_alpha[0, :, 0], "v_beta": v_beta[0, :, 0], "v_c": v_c[0, :, 0]}
@@ -179,7 +179,7 @@ class PagedLayer(KVarNRowProtocol):
         self.tail_len = rest
         return k_all, v_all
 
-    # --- reading one row (prefill attention, the prefix cache) ---
+    # --- reading one row (prefill attention) ---
     def history(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
         """(sink_k, sink_v) [1,H,sink_len,D] and the dequantized records [1,H,n*G,D] (None if none)."""
         a = self.row.pool.layers[self.l]
@@ -191,47 +191,6 @@ class PagedLayer(KVarNRowProtocol):
         table = mx.array(self.row.table[: self.num_tiles], dtype=mx.int32)[None]
         rec_k, rec_v = dequantize_blocks(self.row.pool.gather_records(self.l, table), self.layout, dtype)
         return sink_k, sink_v, rec_k, rec_v
-
-    def record_blocks(self, start: int, stop: int) -> list[Block]:
-        """Blocks ``[start, stop)`` (``start >= 1``: block i is record i - 1) in the prefix
-        cache's format, as arrays of their own (gathered from the pool)."""
-        if start < 1 or stop - 1 > self.num_tiles:
-            raise ValueError(f"records {start - 1}..{stop - 2} of {self.num_tiles}")
-        out = []
-        for i in range(start, stop):
-            ids = mx.array([self.row.table[i - 1]], dtype=mx.int32)
-            fields = {name: x[0] for name, x in self.row.pool.gather_records(self.l, ids).items()}
-            out.append(Block(i, "record", _single_tile(fields)))
-        return out
-
-    def sink_block(self) -> Block:
-        """Block 0, the float16 sink, as arrays of its own (once the row holds G tokens)."""
-        G = self.layout.tile_size
-        if self.offset < G:
-            raise ValueError(f"a row of {self.offset} tokens has no whole sink")
-        a = self.row.pool.layers[self.l]
-        s = self.row.slot
-        return Block(0, "sink", (mx.array(a.win_k[s: s + 1, :, :G].astype(STORE_DTYPE)),
-                                 mx.array(a.win_v[s: s + 1, :, :G].astype(STORE_DTYPE))))
-
-    def load_blocks(self, blocks: list[Block]) -> PagedLayer:
-        """This (empty) layer filled with ``blocks`` 0, 1, ... (the sink, then records), byte for
-        byte what the row that made them held (``KVarNKVCache.from_blocks``)."""
-        self.fill_from_blocks(blocks)
-        return self
-
-    def _load_sink(self, sink_k: mx.array, sink_v: mx.array) -> None:
-        _, H, G, D = sink_k.shape
-        a = self.row.pool.ensure_layer(self.l, H, D)
-        s = self.row.slot
-        a.win_k[s: s + 1, :, :G] = sink_k.astype(STORE_DTYPE).astype(a.win_k.dtype)
-        a.win_v[s: s + 1, :, :G] = sink_v.astype(STORE_DTYPE).astype(a.win_v.dtype)
-
-    def _load_records(self, records: list[Block]) -> None:
-        fields = [_block_major(b.arrays) for b in records]
-        stacked = {name: mx.stack([f[name] for f in fields]) for name in RECORD_FIELDS}
-        self.row.pool.write_records(self.l, self.row.blocks_for(self.num_tiles, len(records)), stacked)
-        self.num_tiles += len(records)
 
     def release(self) -> None:
         self.row.release()
@@ -250,7 +209,8 @@ class PagedLayer(KVarNRowProtocol):
     @property
     def state(self) -> list[mx.array]:
         """The pool arrays this layer's row lives in (what evaluating a step must settle). Paged
-        rows are cut at blocks by the prefix cache, never snapshotted whole."""
+        rows are shared block by block by the prefix cache (``engine/pool_tier.py``), never
+        snapshotted whole."""
         return self.row.pool.layers[self.l].arrays()
 
     @property
@@ -278,7 +238,7 @@ def fork_rows(cache: list[Any]) -> list[Any]:
 def as_record_arrays(fields: dict[str, mx.array]) -> RecordArrays:
     """Block-major fields of n blocks [n, ...] as one row's ``RecordArrays`` (the single-stream
     layout), for comparing the pool with ``KVarNKVCache`` byte for byte."""
-    singles = [_single_tile({k: v[i] for k, v in fields.items()}) for i in range(fields["k_codes"].shape[0])]
+    singles = [single_tile({k: v[i] for k, v in fields.items()}) for i in range(fields["k_codes"].shape[0])]
     axes = {"k_codes": 4, "k_alpha": 4, "k_beta": 4, "k_r": 3, "v_codes": 2, "v_alpha": 2, "v_beta": 2, "v_c": 2}
     return RecordArrays(**{name: mx.concatenate([s[j] for s in singles], axis=axes[name])
                            for j, name in enumerate(RECORD_FIELDS)})

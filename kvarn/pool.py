@@ -12,6 +12,8 @@ ids) serves all layers, as in vLLM. Three kinds of storage, each with its own id
                                                            [0, G), its tail (uncommitted tokens) at [G, 2G)
                                                            (float16 values; held as float32 on the CPU:
                                                            ``KVLayout.window_dtype``)
+    sinks (float16)       sink_k / sink_v [Ns, H, G, D]    cached copies of rows' sinks (the prefix
+                                                           cache's block 0, ``engine/pool_tier.py``)
 
     block n, head h of k_codes:  [ channel 0: G*bk/32 words | channel 1 | ... | channel W-1 ]  (contiguous)
     block n, head h of v_codes:  [ token 0: D*bv/32 words   | token 1   | ... | token G-1  ]  (contiguous)
@@ -21,19 +23,23 @@ head_dim <= 128). Id 0 of each kind is reserved: a *pad* target that batched gat
 table entries at and batched writes send rows that have nothing to write to (it is never handed
 out, and what lands there is never read unmasked).
 
-Allocation (``BlockAllocator``, pure Python): reference counts, and a free queue with lazy eviction
-as in vLLM v1's block pool: a block whose count drops to 0 goes to the queue's tail but keeps its
-hash and stays findable (``lookup``) until the allocator hands it out again, least recently freed
-first. Arrays grow by doubling when every id is taken (one copy, amortized); a block's bytes are
-never moved otherwise, and nothing in the pool is ever written except through ``write_*`` with
-fresh ids, so MLX updates the arrays in place (the pool holds the only reference).
+Allocation (``BlockAllocator``, pure Python): reference counts, a queue of plain free ids and an
+LRU queue of cached ones (lazy eviction as in vLLM v1's block pool): a hashed block whose count
+drops to 0 is cached, keeps its hash and stays findable (``lookup``) until it is evicted, least
+recently released first (by the pool past ``max_blocks``, or by the prefix cache when admission
+needs its room: ``evict_to``). Arrays grow by doubling when no plain id is left (one copy,
+amortized); a block's bytes are never moved otherwise, and nothing in the pool is ever written
+except through ``write_*`` / ``save_sink`` with fresh ids, so MLX updates the arrays in place (the
+pool holds the only reference).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -46,39 +52,46 @@ STORE_DTYPE = mx.float16
 
 
 class BlockAllocator:
-    """Ids 1..capacity-1 (0 is the pad), reference counts, and an LRU free queue with lazy eviction.
+    """Ids 1..capacity-1 (0 is the pad), reference counts, a free queue of plain ids and an LRU
+    queue of *cached* ones (lazy eviction, as vLLM v1's block pool).
 
-    Invariants: every id > 0 is either held (count > 0) or in the free queue, never both; a hashed
-    block is in ``by_hash`` exactly while it has its hash (held, or free and not yet reused)."""
+    Invariants: every id > 0 is exactly one of held (count > 0), plain free (no hash) or cached
+    (count 0, hashed, findable by ``lookup``); a hashed block is in ``by_hash`` exactly while it
+    has its hash. ``allocate`` hands out plain ids only; a cached block stays findable until it
+    is evicted (``evict``: the least recently released first), which the pool does when it may
+    not grow and the prefix cache does to keep its bytes within the KV budget."""
 
-    def __init__(self, capacity: int = 1, lowest_first: bool = False) -> None:
+    def __init__(self, capacity: int = 1, lowest_first: bool = False, clock: Callable[[], int] | None = None) -> None:
         self.lowest_first = lowest_first  # hand out the lowest free id (ids without hashes: windows)
         self.capacity = max(capacity, 1)
         self.refs: list[int] = [0] * self.capacity
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, self.capacity))
+        self.cached: OrderedDict[int, int] = OrderedDict()  # id -> release tick, least recent first
         self.hash_of: dict[int, Hashable] = {}
         self.by_hash: dict[Hashable, int] = {}
+        self.meta_of: dict[int, Any] = {}  # what a hashed block holds (token ids), checked by its users
+        self._clock = clock or _counter()
         self.evicted = 0
 
     @property
     def num_held(self) -> int:
-        return self.capacity - 1 - len(self.free)
+        return self.capacity - 1 - len(self.free) - len(self.cached)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached)
 
     def grow(self, capacity: int) -> None:
-        """More ids: queued after the free blocks without a hash and before the cached ones, so no
-        cached block is evicted while a fresh id is left."""
+        """More ids, queued after the plain free ones."""
         if capacity <= self.capacity:
             return
-        free = OrderedDict((i, None) for i in self.free if i not in self.hash_of)
-        free.update((i, None) for i in range(self.capacity, capacity))
-        free.update((i, None) for i in self.free if i in self.hash_of)
-        self.free = free
+        self.free.update((i, None) for i in range(self.capacity, capacity))
         self.refs += [0] * (capacity - self.capacity)
         self.capacity = capacity
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` ids with count 1, least recently freed first (a cached one loses its hash).
-        The caller grows the allocator first if fewer than ``n`` are free."""
+        """``n`` plain ids with count 1 (lowest first or least recently freed first). The caller
+        grows the allocator or evicts cached blocks first if fewer than ``n`` are free."""
         if n > len(self.free):
             raise MemoryError(f"{n} blocks asked, {len(self.free)} free")
         out = []
@@ -88,40 +101,83 @@ class BlockAllocator:
                 del self.free[block]
             else:
                 block, _ = self.free.popitem(last=False)
-            key = self.hash_of.pop(block, None)
-            if key is not None:
-                del self.by_hash[key]
-                self.evicted += 1
             self.refs[block] = 1
             out.append(block)
         return out
 
     def incref(self, blocks: Sequence[int]) -> None:
         for block in blocks:
-            if self.refs[block] == 0:  # a cached free block comes back into use
-                del self.free[block]
+            if self.refs[block] == 0:  # a cached block comes back into use
+                if block not in self.cached:
+                    raise ValueError(f"block {block} is free")
+                del self.cached[block]
             self.refs[block] += 1
 
     def decref(self, blocks: Sequence[int]) -> None:
-        """Counts down; a block reaching 0 joins the free queue's tail. Blocks are given in a
-        row's order; they are queued last-first so a row's tail blocks are evicted before its
-        head (the head is what other prompts share)."""
+        """Counts down; a block reaching 0 is cached (hashed) or plain free. Blocks are given in a
+        row's order; they are released last-first so a row's tail blocks are evicted before its
+        head (the head is what other prompts share, and a chain's later blocks are useless
+        without its earlier ones)."""
         for block in reversed(blocks):
             if self.refs[block] <= 0:
                 raise ValueError(f"block {block} is not held")
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                self.free[block] = None
+                if block in self.hash_of:
+                    self.cached[block] = self._clock()
+                else:
+                    self.free[block] = None
 
-    def set_hash(self, block: int, key: Hashable) -> None:
+    def set_hash(self, block: int, key: Hashable, meta: Any = None) -> bool:
+        """Make a held block findable by ``key``; False if it has a hash already or another block
+        holds ``key`` (the same content twice: this one stays plain)."""
+        if self.refs[block] <= 0:
+            raise ValueError(f"block {block} is not held")
         if block in self.hash_of or key in self.by_hash:
-            return
+            return False
         self.hash_of[block] = key
         self.by_hash[key] = block
+        self.meta_of[block] = meta
+        return True
 
     def lookup(self, key: Hashable) -> int | None:
-        """The block with this hash, if it still exists (held or cached free); not counted."""
+        """The block with this hash, if it still exists (held or cached); not counted."""
         return self.by_hash.get(key)
+
+    def oldest_cached(self) -> tuple[int, int] | None:
+        """(release tick, id) of the least recently released cached block."""
+        if not self.cached:
+            return None
+        block, tick = next(iter(self.cached.items()))
+        return tick, block
+
+    def evict(self) -> int:
+        """The least recently released cached block loses its hash and becomes plain free."""
+        block, _ = self.cached.popitem(last=False)
+        self._unhash(block)
+        self.free[block] = None
+        self.evicted += 1
+        return block
+
+    def drop_hashes(self) -> int:
+        """Every block loses its hash (held ones stay held); returns how many cached blocks
+        became plain free."""
+        released = len(self.cached)
+        for block in list(self.hash_of):
+            self._unhash(block)
+        self.free.update((block, None) for block in self.cached)
+        self.cached.clear()
+        return released
+
+    def _unhash(self, block: int) -> None:
+        key = self.hash_of.pop(block)
+        del self.by_hash[key]
+        self.meta_of.pop(block, None)
+
+
+def _counter() -> Callable[[], int]:
+    ticks = itertools.count(1)
+    return lambda: next(ticks)
 
 
 def _grown(a: mx.array, capacity: int) -> mx.array:
@@ -136,9 +192,12 @@ class LayerArrays:
     records: dict[str, mx.array] = field(default_factory=dict)
     win_k: mx.array | None = None
     win_v: mx.array | None = None
+    sink_k: mx.array | None = None  # cached sinks [Ns, H, G, D] float16
+    sink_v: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
-        return list(self.records.values()) + [a for a in (self.win_k, self.win_v) if a is not None]
+        return list(self.records.values()) + [a for a in (self.win_k, self.win_v, self.sink_k, self.sink_v)
+                                              if a is not None]
 
 
 def record_shapes(layout: KVLayout, H: int, D: int) -> dict[str, tuple[tuple[int, ...], mx.Dtype]]:
@@ -214,14 +273,23 @@ def _quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict
 
 class KVarNPool:
     """Every KVarN row's storage for all layers of one model: allocators shared by the layers,
-    arrays per layer (allocated lazily at a layer's first write, grown by doubling)."""
+    arrays per layer (allocated lazily at a layer's first write, grown by doubling).
+
+    Three kinds of ids: ``records`` (quantized tiles, hashed when the prefix cache keeps them),
+    ``windows`` (a row's float16 sink and tail) and ``sinks`` (cached copies of a row's sink, for
+    the prefix cache: a hit copies one into the new row's window). ``max_blocks`` caps how many
+    ids a kind may grow to (the engine sets it from the KV budget); past it, allocation evicts the
+    least recently released cached block of that kind."""
 
     def __init__(self, layout: KVLayout, num_layers: int) -> None:
         if layout.scheme != "kvarn":
             raise ValueError("KVarNPool needs a kvarn layout")
         self.layout = layout
-        self.records = BlockAllocator()
+        clock = _counter()  # one clock: cached records and sinks are evicted in one LRU order
+        self.records = BlockAllocator(clock=clock)
         self.windows = BlockAllocator(lowest_first=True)  # consecutive windows read as one slice
+        self.sinks = BlockAllocator(clock=clock)
+        self.max_blocks: dict[str, int | None] = {"records": None, "windows": None, "sinks": None}
         self.window_rows: dict[int, object] = {}  # window id -> the PagedRow holding it
         self.window_dtype = getattr(mx, layout.window_dtype)  # float16 values, see KVLayout.window_dtype
         self.layers = [LayerArrays() for _ in range(num_layers)]
@@ -231,11 +299,20 @@ class KVarNPool:
 
     # --- ids ---
     def allocate(self, kind: str, n: int) -> list[int]:
-        allocator = getattr(self, kind)
-        if n > len(allocator.free):
-            allocator.grow(max(2 * allocator.capacity, allocator.capacity + n - len(allocator.free) + 1))
-            for l in range(len(self.layers)):
-                self._fit(l)
+        """``n`` plain ids of ``kind``: free ones, else the arrays grow (doubling, up to
+        ``max_blocks``), else cached blocks are evicted, least recently released first."""
+        allocator: BlockAllocator = getattr(self, kind)
+        short = n - len(allocator.free)
+        if short > 0:
+            cap = self.max_blocks[kind]
+            want = max(2 * allocator.capacity, allocator.capacity + short + 1)
+            grown = want if cap is None else min(want, max(cap + 1, allocator.capacity))
+            if grown > allocator.capacity:
+                allocator.grow(grown)
+                for l in range(len(self.layers)):
+                    self._fit(l)
+            while len(allocator.free) < n and allocator.cached:
+                allocator.evict()
         return allocator.allocate(n)
 
     # --- arrays ---
@@ -249,6 +326,7 @@ class KVarNPool:
                               for name, (shape, dtype) in record_shapes(self.layout, H, D).items()}
             arrays.win_k, arrays.win_v = (mx.zeros((self.windows.capacity, H, 2 * G, D), self.window_dtype)
                                           for _ in range(2))
+            arrays.sink_k, arrays.sink_v = (mx.zeros((self.sinks.capacity, H, G, D), STORE_DTYPE) for _ in range(2))
         elif self.shapes[l] != (H, D):
             raise ValueError(f"layer {l} holds {self.shapes[l]} heads x channels, not {(H, D)}")
         return self.layers[l]
@@ -260,6 +338,8 @@ class KVarNPool:
         a = self.layers[l]
         if a.win_k.shape[0] < self.windows.capacity:
             a.win_k, a.win_v = _grown(a.win_k, self.windows.capacity), _grown(a.win_v, self.windows.capacity)
+        if a.sink_k.shape[0] < self.sinks.capacity:
+            a.sink_k, a.sink_v = _grown(a.sink_k, self.sinks.capacity), _grown(a.sink_v, self.sinks.capacity)
         if a.records["k_codes"].shape[0] < self.records.capacity:
             a.records = {name: _grown(x, self.records.capacity) for name, x in a.records.items()}
 
@@ -275,6 +355,33 @@ class KVarNPool:
         records = self.layers[l].records
         return {name: records[name][table] for name in RECORD_FIELDS}
 
+    # --- cached sinks ---
+    def save_sink(self, slot: int) -> int:
+        """A new sink id (count 1) holding window ``slot``'s sink, every layer."""
+        sink = self.allocate("sinks", 1)[0]
+        G = self.layout.tile_size
+        for l, a in enumerate(self.layers):
+            if self.shapes[l] is not None:
+                a.sink_k[sink: sink + 1] = mx.array(a.win_k[slot: slot + 1, :, :G].astype(STORE_DTYPE))
+                a.sink_v[sink: sink + 1] = mx.array(a.win_v[slot: slot + 1, :, :G].astype(STORE_DTYPE))
+        return sink
+
+    def load_sink(self, sink: int, slot: int) -> None:
+        """Window ``slot``'s sink := cached sink ``sink``, every layer."""
+        G = self.layout.tile_size
+        for l, a in enumerate(self.layers):
+            if self.shapes[l] is not None:
+                a.win_k[slot: slot + 1, :, :G] = mx.array(a.sink_k[sink: sink + 1].astype(self.window_dtype))
+                a.win_v[slot: slot + 1, :, :G] = mx.array(a.sink_v[sink: sink + 1].astype(self.window_dtype))
+
+    def write_sink(self, l: int, sink: int, keys: mx.array, values: mx.array) -> None:
+        """Layer ``l`` of cached sink ``sink`` := ``keys``, ``values`` [1, H, G, D] (a block read from disk)."""
+        _, H, _, D = keys.shape
+        a = self.ensure_layer(l, H, D)
+        a.sink_k[sink: sink + 1] = keys.astype(STORE_DTYPE)
+        a.sink_v[sink: sink + 1] = values.astype(STORE_DTYPE)
+
+    # --- bytes ---
     def nbytes(self) -> int:
         """What the pool's arrays hold in memory (all ids, free or not)."""
         return sum(a.nbytes for layer in self.layers for a in layer.arrays())
@@ -282,6 +389,34 @@ class KVarNPool:
     def block_bytes(self) -> int:
         """Bytes of one record block summed over the layers."""
         return sum(block_nbytes(self.layout, *shape) for shape in self.shapes if shape is not None)
+
+    def sink_bytes(self) -> int:
+        """Bytes of one cached sink (float16) summed over the layers."""
+        G = self.layout.tile_size
+        return sum(2 * H * G * D * STORE_DTYPE.size for H, D in filter(None, self.shapes))
+
+    def window_bytes(self) -> int:
+        """Bytes of one window (sink and tail, K and V, in the window's dtype) summed over the layers."""
+        G = self.layout.tile_size
+        return sum(4 * H * G * D * self.window_dtype.size for H, D in filter(None, self.shapes))
+
+    def held_bytes(self) -> int:
+        """What rows hold: their windows and the record blocks held (each once, however shared)."""
+        return self.windows.num_held * self.window_bytes() + self.records.num_held * self.block_bytes()
+
+    def cached_bytes(self) -> int:
+        """Bytes of the blocks and sinks that only the prefix cache keeps (count 0, hashed)."""
+        return self.records.num_cached * self.block_bytes() + self.sinks.num_cached * self.sink_bytes()
+
+    def evict_to(self, target: int) -> int:
+        """Evict cached records and sinks, least recently released first, until at most
+        ``target`` bytes stay cached; returns how many were evicted."""
+        evicted = 0
+        while self.cached_bytes() > max(target, 0):
+            oldest = [(got, kind) for kind in (self.records, self.sinks) if (got := kind.oldest_cached())]
+            min(oldest, key=lambda pair: pair[0])[1].evict()
+            evicted += 1
+        return evicted
 
 
 def dequantize_blocks(fields: dict[str, mx.array], layout: KVLayout, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:

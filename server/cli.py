@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-budget-bytes", type=_size, default=None, metavar="BYTES",
                        help="KV cache budget that admission works within (suffixes K/M/G/KiB/MiB/GiB; default: "
                             "half the machine's memory less the weights, printed at start); a request reserves "
-                            "the exact bytes of prompt + max_tokens; the prefix cache's memory tier "
-                            "(--apc-memory-bytes) is carved out of it")
+                            "the exact bytes of prompt + max_tokens (blocks shared through the prefix cache "
+                            "counted once); the prefix cache keeps what running requests leave of it and gives "
+                            "it back when a request needs the room")
     serve.add_argument("--max-queue", type=int, default=1024,
                        help="requests waiting for admission beyond this are refused with 429 and Retry-After")
     apc = serve.add_argument_group(
@@ -74,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt_tokens_details.cached_tokens. A request's cache_salt keeps its blocks to requests with the "
         "same salt.")
     apc.add_argument("--no-apc", action="store_true",
-                     help="turn the prefix cache off: every prompt is computed in full and the whole KV budget "
-                          "goes to running requests")
+                     help="turn the prefix cache off: every prompt is computed in full")
     apc.add_argument("--apc-memory-bytes", type=_size, default=None, metavar="BYTES",
-                     help="bytes of the memory tier (suffixes as --kv-budget-bytes); carved out of the KV "
-                          "budget, not added to it (default: a quarter of the KV budget)")
+                     help="a cap on what the prefix cache keeps in memory beside running requests (suffixes as "
+                          "--kv-budget-bytes); it lives in the KV budget, never added to it (default: no cap: "
+                          "whatever running requests leave free)")
     apc.add_argument("--apc-disk-dir", default=None, metavar="DIR",
                      help="also keep cached blocks on disk in DIR (one file per block, owner-only, checked on "
                           "every read): the disk tier survives restarts, so a restarted server serves prefixes "

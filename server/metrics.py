@@ -25,7 +25,7 @@ PREFIX_CACHE_COUNTERS = (
 PREFIX_CACHE_GAUGES = (
     ("kvarn_prefix_cache_memory_bytes", "apc_memory_bytes", "Bytes held by the prefix cache's memory tier"),
     ("kvarn_prefix_cache_memory_budget_bytes", "apc_memory_budget_bytes",
-     "The memory tier's byte budget (carved out of the KV budget)"),
+     "The most the prefix cache may keep in memory (its cap, else the KV budget it shares with running requests)"),
     ("kvarn_prefix_cache_disk_bytes", "apc_disk_bytes", "Bytes held by the prefix cache's disk tier"),
 )
 

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from apc.blocks import Payload, payload_from_parts, payload_to_parts
-from apc.prefix_cache import PrefixCache
+from apc.prefix_cache import PENDING, PrefixCache
 
 G = 4
 
@@ -34,6 +34,10 @@ def test_lookup_finds_whole_blocks_and_never_the_last_token():
     assert [int(h.arrays[0][0, 0]) for h in hits] == [0, 1, 2]
     assert len(c.lookup(t + [1], None)[1]) == 4
     assert c.lookup(t, "salt")[1] == []
+    assert c.stats.lookups == 0  # a lookup counts nothing: the engine records the hit it takes
+    c.record(16, keys)
+    c.record(17, chain)
+    c.record(16, [])
     assert (c.stats.lookups, c.stats.query_tokens, c.stats.hit_tokens) == (3, 16 + 17 + 16, 3 * G + 4 * G)
 
 
@@ -51,10 +55,16 @@ def test_disk_continues_the_chain_after_memory_and_promotes(tmp_path):
     c.insert(chain, 0, [payload(i) for i in range(6)])
     c.flush()
     fresh = cache(tmp_path)  # a restart: memory empty, disk indexed
-    keys, hits = fresh.lookup(t, None)
-    assert len(hits) == 5 and fresh.stats.disk_hit_tokens == 5 * G and len(fresh.memory) == 5
-    assert [int(h.arrays[1][0]) for h in hits] == [0, 1, 2, 3, 4]
-    _, again = fresh.lookup(t, None)
+    assert fresh.lookup(t, None) is PENDING and fresh.reading  # read on the disk tier's own thread
+    assert fresh.lookup(t, None) is PENDING  # the same read, still in flight (or not yet polled)
+    while fresh.reading:
+        fresh.wait(5.0)
+    assert len(fresh.memory) == 5  # the read blocks joined the memory tier
+    keys, hits = fresh.lookup(t, None, disk=False)
+    assert len(hits) == 5 and [int(h.arrays[1][0]) for h in hits] == [0, 1, 2, 3, 4]
+    fresh.record(len(t), keys)
+    assert fresh.stats.disk_hit_tokens == 5 * G and fresh.stats.memory_hit_tokens == 0
+    keys, again = fresh.lookup_now(t, None)
     assert len(again) == 5 and fresh.stats.memory_hit_tokens == 5 * G
     fresh.close()
     c.close()
@@ -68,7 +78,7 @@ def test_reset_drops_memory_and_disk(tmp_path):
     assert c.memory_bytes > 0 and c.disk.stats.bytes > 0
     released = c.reset()
     assert released["memory_bytes"] > 0 and released["disk_bytes"] > 0
-    assert c.lookup(t + [0], None)[1] == [] and len(c.disk) == 0 and not list(c.disk.folder.glob("*.blk"))
+    assert c.lookup_now(t + [0], None)[1] == [] and len(c.disk) == 0 and not list(c.disk.folder.glob("*.blk"))
     c.close()
 
 
@@ -83,7 +93,8 @@ def test_snapshots_longest_proper_prefix_from_memory_then_disk(tmp_path):
     assert c.longest_snapshot(t, "other") is None
     c.flush()
     fresh = cache(tmp_path, tier="checkpoint")
-    length, got = fresh.longest_snapshot(t, None)
+    assert fresh.longest_snapshot(t, None) is PENDING  # read on the disk tier's own thread
+    length, got = fresh.longest_snapshot_now(t, None)
     assert length == 30 and got.meta == '{"n": 30}' and got.arrays[0].shape == (4,)
     assert fresh.stats.disk_hit_tokens == 30
     fresh.close()

@@ -2,9 +2,10 @@
 
 import pytest
 
+from engine.budget import StaticBudget
 from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import PENDING, Scheduler, SchedulerConfig
 from engine.step_types import PrefillChunk, SampledToken, StepResult
 
 
@@ -136,7 +137,7 @@ def priced(s_budget: int, per_token: int = 10, transient: int = 5, **config) -> 
 
     cfg = dict(max_num_seqs=8, max_num_batched_tokens=72, prefill_chunk_size=64, kv_budget_bytes=s_budget)
     cfg.update(config)
-    return Scheduler(SchedulerConfig(**cfg), price)
+    return Scheduler(SchedulerConfig(**cfg), StaticBudget(price, s_budget))
 
 
 def test_admission_stops_at_the_budget_and_keeps_fifo_order():
@@ -150,7 +151,7 @@ def test_admission_stops_at_the_budget_and_keeps_fifo_order():
     assert [r.request_id for r in s.waiting] == ["c"] and s.reserved_bytes == 250
     s.update(plan, sample_all(plan))
     # prefills are done: the transients (5 B each) are released, still no room for c (125 > 10)
-    assert s.reserved_bytes == 240 and s.reservations["a"] == Reservation(120)
+    assert s.reserved_bytes == 240 and s.budget.holds(reqs[0]) == 120
     plan = s.plan()
     assert plan.decodes == ("a", "b") and plan.prefills == () and len(s.waiting) == 1
     s.finish(reqs[0], FinishReason.STOP)
@@ -191,7 +192,7 @@ def test_abort_releases_the_reservation_at_once():
     plan = s.plan()
     assert plan.prefills == (PrefillChunk("b", 0, 40, True),) and s.reserved_bytes == 485
     s.finish(b, FinishReason.ABORT)
-    assert s.reserved_bytes == 0 and s.reservations == {}
+    assert s.reserved_bytes == 0 and s.running == []
     assert s.plan().freed == ("b",)
 
 
@@ -220,7 +221,7 @@ def test_forks_are_priced_with_their_parent_and_become_rows_at_prompt_end():
     s.update(plan, StepResult(sampled={i: SampledToken(i, 7) for i in ("p", "p-1", "p-2")}))
     assert [r.request_id for r in s.running] == ["p", "p-1", "p-2"]
     assert all(r.num_computed_tokens == 30 and r.output_ids == [7] for r in (p, f1, f2))
-    assert s.reservations == {i: Reservation(380) for i in ("p", "p-1", "p-2")} and s.forks == {}
+    assert [s.budget.holds(r) for r in s.running] == [380] * 3 and s.reserved_bytes == 3 * 380 and s.forks == {}
     assert s.plan().decodes == ("p", "p-1", "p-2")
 
 
@@ -255,30 +256,96 @@ def test_a_fork_needs_its_parent_waiting():
         s.add(fork("x-1", req("x", 4), 1))
 
 
+class Hit:
+    def __init__(self, tokens: int) -> None:
+        self.tokens = tokens
+
+
+class Cache:
+    """Admission hooks with a log: hits by request id, ``PENDING`` answers, bytes kept."""
+
+    def __init__(self, hits: dict, kept: int = 0) -> None:
+        self.hits, self.kept, self.log = hits, kept, []
+
+    def lookup(self, request):
+        self.log.append(("lookup", request.request_id))
+        answer = self.hits.get(request.request_id)
+        return answer.pop(0) if isinstance(answer, list) else answer
+
+    def release(self, hit):
+        self.log.append(("release", hit.tokens))
+
+    def admit(self, request, hit):
+        self.log.append(("admit", request.request_id, hit.tokens if hit is not None else 0))
+
+    def cached_bytes(self):
+        return self.kept
+
+    def evict_to(self, target):
+        self.log.append(("evict_to", target))
+        self.kept = min(self.kept, target)
+
+
 def test_a_prefix_hit_rides_on_the_requests_first_chunk_even_after_waiting():
-    """The lookup runs once, when the request could run; its hit is carried by the plan's first
-    chunk of that request (the runner rebuilds the row from it), also when the chunk had to wait."""
-    class Hit:
-        tokens = 128
-
-    hit = Hit()
-    looked = []
-
-    def lookup(request: Request):
-        looked.append(request.request_id)
-        return hit if request.request_id == "b" else None
-
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=260, prefill_chunk_size=256),
-                  lookup=lookup)
+    """A request is looked up whenever it heads the queue and could run; a hit it cannot take now
+    (its chunk does not fit the step) is released, and the hit it is admitted with is carried by
+    the plan's first chunk of that request (the runner rebuilds the row from it)."""
+    hit = Hit(128)
+    cache = Cache({"b": hit})
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=260, prefill_chunk_size=256), cache=cache)
     a, b = req("a", 250), req("b", 300)
     s.add(a)
     s.add(b)
-    plan = s.plan()  # a's chunk (250) leaves 10 tokens: b is looked up, its chunk [128, 256) waits
-    assert plan.prefills == (PrefillChunk("a", 0, 250, True),) and looked == ["a", "b"]
-    assert b.num_cached_tokens == 128 and b.status == RequestStatus.WAITING
+    plan = s.plan()  # a's chunk (250) leaves 10 tokens: b's chunk [128, 256) does not fit and waits
+    assert plan.prefills == (PrefillChunk("a", 0, 250, True),)
+    assert cache.log == [("lookup", "a"), ("admit", "a", 0), ("lookup", "b"), ("release", 128)]
+    assert b.num_cached_tokens == 0 and b.status == RequestStatus.WAITING
     s.update(plan, sample_all(plan))
     plan = s.plan()
-    assert plan.prefills == (PrefillChunk("b", 128, 256, False, restore=hit),) and looked == ["a", "b"]
+    assert plan.prefills == (PrefillChunk("b", 128, 256, False, restore=hit),)
+    assert cache.log[4:] == [("lookup", "b"), ("admit", "b", 128)] and b.num_cached_tokens == 128
     s.update(plan, sample_all(plan))
     plan = s.plan()
     assert plan.prefills == (PrefillChunk("b", 256, 300, True),)  # later chunks carry nothing
+
+
+def test_a_head_reading_from_disk_waits_and_running_rows_go_on():
+    """``PENDING``: the head's prefix is being read from disk: it and everything behind it wait
+    (FIFO), decode rows keep running; once the read is in, the hit is taken."""
+    hit = Hit(128)
+    cache = Cache({"b": [PENDING, PENDING, hit]})
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=600, prefill_chunk_size=256), cache=cache)
+    a, b, c = req("a", 10), req("b", 300), req("c", 10)
+    s.add(a)
+    plan = s.plan()
+    s.update(plan, sample_all(plan))
+    s.add(b)
+    s.add(c)
+    for _ in range(2):
+        plan = s.plan()
+        assert plan.decodes == ("a",) and plan.prefills == () and [r.request_id for r in s.waiting] == ["b", "c"]
+        s.update(plan, sample_all(plan))
+    plan = s.plan()
+    assert plan.prefills == (PrefillChunk("b", 128, 256, False, restore=hit), PrefillChunk("c", 0, 10, True))
+    assert a.num_computed_tokens == 12
+
+
+def test_admission_evicts_from_the_prefix_cache_to_make_room():
+    """The cache keeps what running requests leave of the budget; a request that fits only
+    without it gets its room (the cache is told to keep at most what is left), and one that
+    would not fit even then leaves the cache alone and waits."""
+    cache = Cache({}, kept=200)
+    s = priced(300)
+    s.cache = cache
+    first = req("first", 4)  # 125 B
+    s.add(first)
+    plan = s.plan()
+    assert plan.prefills and cache.log[-1] == ("admit", "first", 0) and cache.kept == 175
+    assert ("evict_to", 175) in cache.log and s.headroom() == 0
+    s.update(plan, sample_all(plan))
+    s.add(req("big", 25, max_tokens=2))  # 275 B: never fits beside first (120 B), cache or not
+    kept = cache.kept
+    plan = s.plan()
+    assert plan.prefills == () and cache.kept == kept and cache.log[-1] == ("lookup", "big")
+
+

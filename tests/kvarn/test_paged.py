@@ -55,28 +55,65 @@ def assert_same_row(view, cache: KVarNKVCache) -> None:
 
 # --- the allocator ---
 
-def test_allocator_counts_free_queue_order_hash_reuse_and_eviction_order():
+def test_allocator_counts_free_and_cached_queues_hash_reuse_and_eviction_order():
     a = BlockAllocator(capacity=5)  # ids 1..4 (0 is the pad)
     assert list(a.free) == [1, 2, 3, 4] and a.num_held == 0
     x = a.allocate(3)
     assert x == [1, 2, 3] and a.refs[1:4] == [1, 1, 1] and list(a.free) == [4]
     for block, key in zip(x, "abc"):
-        a.set_hash(block, key)
+        assert a.set_hash(block, key, meta=(block,))
+    assert not a.set_hash(1, "z") and a.lookup("z") is None  # it has its hash already
     a.incref([1])  # a second row shares block 1
-    a.decref(x)  # the first row ends: queued last-first, block 1 is still held
-    assert a.refs[1:4] == [1, 0, 0] and list(a.free) == [4, 3, 2]
-    assert a.lookup("b") == 2 and a.lookup("c") == 3  # freed, still findable
-    a.incref([2])  # a prefix hit takes a cached free block back
-    assert a.refs[2] == 1 and list(a.free) == [4, 3]
-    got = a.allocate(2)  # uncached 4 first, then the least recently freed cached one (3)
-    assert got == [4, 3] and a.lookup("c") is None and a.lookup("b") == 2 and a.evicted == 1
+    a.decref(x)  # the first row ends: released last-first, block 1 is still held
+    assert a.refs[1:4] == [1, 0, 0] and list(a.cached) == [3, 2] and list(a.free) == [4]
+    assert (a.num_held, a.num_cached) == (1, 2)
+    assert a.lookup("b") == 2 and a.lookup("c") == 3 and a.meta_of[2] == (2,)  # cached, still findable
+    a.incref([2])  # a prefix hit takes a cached block back
+    assert a.refs[2] == 1 and list(a.cached) == [3]
     with pytest.raises(MemoryError):
-        a.allocate(1)
-    a.grow(7)  # new ids come before any cached free block
+        a.allocate(2)  # one plain id left: cached blocks are never handed out by allocate
+    assert a.allocate(1) == [4] and a.lookup("c") == 3
+    assert not a.set_hash(4, "b") and 4 not in a.hash_of  # the same content twice: it stays plain
+    assert a.evict() == 3 and a.lookup("c") is None and list(a.free) == [3] and a.evicted == 1
+    a.grow(7)  # new ids after the plain free ones
+    assert list(a.free) == [3, 5, 6]
     a.decref([2])
-    assert list(a.free) == [5, 6, 2]
+    a.decref([1])
+    assert list(a.cached) == [2, 1] and a.oldest_cached()[1] == 2
     with pytest.raises(ValueError):
         a.decref([2])
+    with pytest.raises(ValueError):
+        a.incref([3])  # a plain free block cannot be taken by reference
+    with pytest.raises(ValueError):
+        a.set_hash(3, "d")  # only a held block gets a hash
+    assert a.drop_hashes() == 2 and a.lookup("a") is None and list(a.free) == [3, 5, 6, 2, 1]
+    assert a.num_cached == 0 and a.hash_of == {} and a.meta_of == {}
+
+
+def test_pool_evicts_cached_records_and_sinks_in_one_lru_order_and_caps_its_growth():
+    rng = np.random.default_rng(3)
+    pool = KVarNPool(LAYOUT, num_layers=1)
+    row = PagedRow(pool, [0])
+    k, v = kv(rng, 4 * G)
+    row.layers[0].update_and_fetch(k, v)  # the sink and 3 records
+    b = row.table
+    for i, block in enumerate(b):
+        pool.records.set_hash(block, f"r{i}")
+    sink = pool.save_sink(row.slot)
+    pool.sinks.set_hash(sink, "s")
+    pool.sinks.decref([sink])  # cached first: the oldest
+    row.release()  # its records cached last-first: r2, r1, r0
+    bb, sb = pool.block_bytes(), pool.sink_bytes()
+    assert pool.cached_bytes() == 3 * bb + sb and pool.held_bytes() == 0
+    assert pool.evict_to(3 * bb) == 1 and pool.sinks.lookup("s") is None  # the sink went first
+    assert pool.evict_to(bb + 1) == 2 and pool.records.lookup("r0") == b[0]  # then r2, r1
+    # at its cap the pool evicts a cached block of the kind it needs instead of growing
+    pool.max_blocks["records"] = pool.records.capacity - 1
+    free = len(pool.records.free)
+    got = pool.allocate("records", free + 1)
+    assert b[0] in got and pool.records.lookup("r0") is None
+    with pytest.raises(MemoryError):
+        pool.allocate("records", 1)
 
 
 def test_pool_grows_by_doubling_and_keeps_contents():
@@ -210,30 +247,6 @@ def test_fork_of_a_short_row_fills_its_own_sink():
         child.layers[0].update_and_fetch(k1, v1)
     assert_same_row(parent.layers[0], solo)
     assert child.layers[0].offset == 10 + G and child.layers[0].num_tiles == 0
-
-
-def test_record_blocks_round_trip_through_load_blocks():
-    """A row rebuilt in the pool from another row's blocks (the prefix cache's path) holds the
-    same bytes and continues identically."""
-    rng = np.random.default_rng(6)
-    pool = KVarNPool(LAYOUT, num_layers=1)
-    source = PagedRow(pool, [0]).layers[0]
-    cache = KVarNKVCache(LAYOUT)
-    k, v = kv(rng, 5 * G)
-    source.update_and_fetch(k, v)
-    cache.update_and_fetch(k, v)
-    blocks = cache.blocks(4)  # the sink and three records, in the prefix cache's format
-    paged_blocks = source.record_blocks(1, 4)
-    for ours, theirs in zip(paged_blocks, blocks[1:]):
-        for x, y in zip(ours.arrays, theirs.arrays, strict=True):
-            assert np.array(x).tobytes() == np.array(y).tobytes() and x.shape == y.shape
-    restored = PagedRow(pool, [0]).layers[0].load_blocks(blocks)
-    again = KVarNKVCache.from_blocks(LAYOUT, blocks)
-    assert_same_row(restored, again)
-    k2, v2 = kv(rng, 100)
-    restored.update_and_fetch(k2, v2)
-    again.update_and_fetch(k2, v2)
-    assert_same_row(restored, again)
 
 
 def test_pad_ids_are_never_handed_out():

@@ -112,7 +112,7 @@ def budget(pair_prompt_tokens: int) -> int:
 
 @pytest.fixture(scope="module")
 def budget_server(tmp_path_factory: pytest.TempPathFactory, budget: int) -> Iterator[Server]:
-    # the prefix cache off: its memory tier would be carved out of this exact budget
+    # the prefix cache off: this budget is sized for two requests and nothing else
     with served(tmp_path_factory, "kvarn-budget", "--kv-budget-bytes", str(budget), "--no-apc") as srv:
         yield srv
 
@@ -597,15 +597,20 @@ def test_streamed_n2_matches_non_streamed(http: httpx.Client, path: str) -> None
 
 def test_n3_reserves_n_sequences_and_an_abort_frees_every_choice(server: Server, http: httpx.Client,
                                                                  tokenizer: Tokenizer) -> None:
-    """A running n=3 request reserves exactly three sequences of prompt + max_tokens, holds no more
-    KV than that, and closing its stream frees all three choices."""
+    """A running n=3 request reserves exactly three KVarN windows, its prompt's record blocks once
+    (the choices share them) and each choice's records up to prompt + max_tokens; it holds no
+    more KV than that, and closing its stream frees all three choices."""
     health = wait_drained(http)
     dtype = http.get("/v1/models").json()["data"][0]["compute_dtype"]
     prices = pricing(_DTYPE_BYTES[dtype])
     max_tokens = 300
-    expected = prices.reservation(chat_prompt_tokens(tokenizer, PROMPT), max_tokens, 3).kv
+    text = " ".join(f"{PROMPT} (question {i})" for i in range(30))  # a prompt of a few tiles
+    prompt = chat_prompt_tokens(tokenizer, text)
+    total, shared = prices.records(prompt + max_tokens), prices.records(prompt)
+    expected = 3 * prices.window_bytes() + (total + 2 * (total - shared)) * prices.block_bytes()
+    assert shared >= 2 and expected < prices.reservation(prompt, max_tokens, 3).kv  # < three whole sequences
     assert health["budget_bytes"] >= expected
-    body = chat_body(PROMPT, n=3, max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=5, stream=True)
+    body = chat_body(text, n=3, max_tokens=max_tokens, ignore_eos=True, temperature=1.0, seed=5, stream=True)
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         with client.stream("POST", CHAT, json=body) as response:
             assert response.status_code == 200

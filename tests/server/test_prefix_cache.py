@@ -395,7 +395,7 @@ def test_metrics_expose_the_prefix_cache(apc: httpx.Client, tokenizer: Tokenizer
     assert metric(apc, "kvarn_prefix_cache_disk_bytes") == 0  # no disk tier
 
 
-def test_small_memory_tier_evicts_within_its_budget(tmp_path_factory: pytest.TempPathFactory,
+def test_small_memory_cap_evicts_within_it(tmp_path_factory: pytest.TempPathFactory,
                                                     tokenizer: Tokenizer) -> None:
     # room for one 4-block prompt of this model (a 1 MiB float16 sink + 3 k4v2 records of 216 KiB:
     # 1.63 MiB), not for two
@@ -533,7 +533,7 @@ def test_help_explains_the_apc_flags(capsys: pytest.CaptureFixture[str]) -> None
     text = " ".join(capsys.readouterr().out.split())
     for flag in ("--no-apc", "--apc-memory-bytes", "--apc-disk-dir", "--apc-disk-bytes"):
         assert flag in text
-    assert "carved out of the KV budget" in text
+    assert "it lives in the KV budget, never added to it" in text and "gives it back" in text
     assert "survives restarts" in text
     assert "default: 4GiB" in text and "cache_salt" in text
 

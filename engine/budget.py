@@ -1,0 +1,97 @@
+"""The KV budget's one admission check: what a request would add, and what running requests hold.
+
+Pure Python. The scheduler admits the head of the queue when ``committed() + cost(request) <=
+budget``; the front door refuses (400) a request whose ``cost`` alone exceeds the budget; the
+prefix cache keeps what is left (``headroom``) and admission evicts from it when a request needs
+the room. Two accountings behind the same calls:
+
+- ``StaticBudget`` (fp16 / affine slot rows, single-stream rows): a request holds its price, the
+  bytes of ``T = prompt + max_tokens`` tokens per choice, plus one chunk's transient while its
+  prompt is prefilled (``engine/pricing.py``). Rows share nothing.
+- ``PoolBudget`` (KVarN rows in the block pool): record blocks are shared (forks, prefix hits),
+  so what rows hold is counted from the pool, each block once: the blocks held now, plus per
+  running request its window and the blocks it may still commit up to ``T``:
+
+      committed = held blocks x B  +  sum over requests (window + (records(T) - records held) x B)
+                  + the transient of every request still prefilling
+
+  A prefix hit's blocks are held (pinned) from the lookup on, so a request's cost leaves them out;
+  ``n > 1`` choices share their prompt's records. This is exact: a running request can always
+  commit its next tile, because its blocks were counted before it was admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from engine.pricing import Pricing, Reservation
+from engine.request import Request, RequestId
+
+
+@dataclass
+class StaticBudget:
+    """Requests hold their price (``price(request, n)``: ``n`` choices, the transient once)."""
+
+    price: Callable[[Request, int], Reservation]
+    budget_bytes: int | None = None
+
+    def cost(self, request: Request, n: int = 1, hit_tokens: int = 0) -> int:
+        return self.price(request, n).total
+
+    def holds(self, request: Request) -> int:
+        """What a running request holds now (one choice), its transient while it prefills."""
+        r = self.price(request, 1)
+        return r.kv + (0 if request.is_prefill_done else r.transient)
+
+    def pending(self, fork: Request) -> int:
+        """What a choice that has not forked yet (``n > 1``) holds beside its parent."""
+        return self.price(fork, 1).kv
+
+    def shared(self) -> int:
+        return 0
+
+    def committed(self, running: Iterable[Request], pending: Iterable[Request]) -> int:
+        return self.shared() + sum(map(self.holds, running)) + sum(map(self.pending, pending))
+
+
+class PoolBudget(StaticBudget):
+    """KVarN rows in the block pool: shared blocks counted once (module docstring).
+
+    ``held_blocks()``: record blocks the pool holds (count > 0); ``row_records(request_id)``:
+    how many records a request's row holds (None before its row exists)."""
+
+    def __init__(self, pricing: Pricing, budget_bytes: int | None, held_blocks: Callable[[], int],
+                 row_records: Callable[[RequestId], int | None]) -> None:
+        super().__init__(lambda request, n: pricing.reservation(request.num_prompt_tokens, request.params.max_tokens, n),
+                         budget_bytes)
+        self.pricing = pricing
+        self.held_blocks = held_blocks
+        self.row_records = row_records
+        self.block_bytes = pricing.block_bytes()
+        self.window_bytes = pricing.window_bytes()
+
+    def _tokens(self, request: Request) -> int:
+        return self.pricing.reserved_tokens(request.num_prompt_tokens, request.params.max_tokens)
+
+    def cost(self, request: Request, n: int = 1, hit_tokens: int = 0) -> int:
+        """``n`` windows; the prompt's records past the hit, once; each choice's later records;
+        the transient of the prefill."""
+        records, prompt = self.pricing.records(self._tokens(request)), self.pricing.records(request.num_prompt_tokens)
+        own = records - self.pricing.records(hit_tokens) + (n - 1) * (records - prompt)
+        return n * self.window_bytes + own * self.block_bytes + self.price(request, n).transient
+
+    def holds(self, request: Request) -> int:
+        held = self.row_records(request.request_id)
+        if held is None:  # admitted this step: its row is made when the step runs, from its hit
+            held = self.pricing.records(request.num_cached_tokens)
+        future = max(self.pricing.records(self._tokens(request)) - held, 0)
+        transient = 0 if request.is_prefill_done else self.price(request, 1).transient
+        return self.window_bytes + future * self.block_bytes + transient
+
+    def pending(self, fork: Request) -> int:
+        records = self.pricing.records(self._tokens(fork)) - self.pricing.records(fork.num_prompt_tokens)
+        return self.window_bytes + records * self.block_bytes
+
+    def shared(self) -> int:
+        return self.held_blocks() * self.block_bytes

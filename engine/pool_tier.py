@@ -1,0 +1,228 @@
+"""The prefix cache's memory tier for KVarN rows in the block pool: the pool's hashed blocks *are*
+the cache.
+
+    block 0 (the float16 sink)   a cached sink: ``KVarNPool.sinks``, one copy of a row's sink
+    block i >= 1 (record i - 1)  the pool's record block itself: ``KVarNPool.records``
+
+- **Insert** (after a step): a row's record block gets the block's key (``set_hash``: nothing is
+  copied; the row keeps holding it); a row's sink is copied once into a sink block, which the
+  cache alone holds. When rows let go of hashed blocks they stay in the pool, cached, until
+  evicted (least recently released first).
+- **Lookup / pin**: the longest run of cached blocks whose token ids match; the engine pins a
+  hit (reference counts) from admission on, and the new row's table takes the record blocks
+  as they are: N requests sharing a prompt hold its blocks once. The sink is copied into the
+  row's window (rows read their sink and tail as one window).
+- **Bytes**: ``nbytes`` counts the blocks only the cache keeps (count 0); they live in what the KV
+  budget leaves free (``headroom``, up to an optional cap) and admission evicts them
+  (``evict_to``) when a request needs the room. Held blocks are the rows' (``engine/budget.py``).
+- **Disk**: ``parts`` reads a block out of the pool for the disk tier's writer (the same block
+  format as before: the sink's float16 keys and values, or a record in ``KVarNKVCache``'s
+  single-tile layout, per layer); ``load`` writes a block read from disk into a free pool block.
+
+Engine thread only (it makes MLX arrays)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from apc.blocks import payload_from_parts, to_parts
+from apc.disk_tier import Part
+from apc.hashing import BlockKey
+from apc.memory_tier import TierStats
+from kvarn.paged import PagedRow, block_major, single_tile
+from kvarn.pool import KVarNPool
+
+_WIDTH = {"sink": 2, "record": 8}  # arrays per layer of a block's disk payload
+
+
+@dataclass(frozen=True)
+class SinkOf:
+    """What a row offers as block 0: its window's sink."""
+
+    row: PagedRow
+
+
+@dataclass
+class PoolHit:
+    """Pinned blocks of a hit: the sink id and the record ids (counted for the hit's holder until
+    ``PoolTier.adopt`` or ``PoolTier.unpin``)."""
+
+    sink: int
+    records: list[int]
+    pinned: bool = True
+
+
+@dataclass
+class PoolTier:
+    pool: KVarNPool
+    budget_bytes: int | None = None
+    headroom: Callable[[], int] | None = None
+    counters: TierStats = field(default_factory=TierStats)
+
+    # --- what the facade asks ---
+    def _find(self, block: BlockKey) -> int | None:
+        allocator = self.pool.sinks if block.index == 0 else self.pool.records
+        found = allocator.lookup(block.key)
+        if found is None or allocator.meta_of.get(found) != block.tokens:
+            return None
+        return found
+
+    def lookup(self, chain: Sequence[BlockKey]) -> list[int]:
+        """Ids of the longest cached prefix of ``chain`` (block 0 a sink id, then record ids)."""
+        self.counters.lookups += 1
+        hits = []
+        for block in chain:
+            found = self._find(block)
+            if found is None:
+                break
+            hits.append(found)
+        self.counters.hit_blocks += len(hits)
+        return hits
+
+    def __contains__(self, key: bytes) -> bool:
+        return self.pool.records.lookup(key) is not None or self.pool.sinks.lookup(key) is not None
+
+    def __len__(self) -> int:
+        return len(self.pool.records.hash_of) + len(self.pool.sinks.hash_of)
+
+    def insert(self, block: BlockKey, parent: BlockKey | None, item: Any) -> bool:
+        """Cache ``block``: ``item`` is a held record id (hashed in place) or ``SinkOf(row)``
+        (the row's sink copied into a sink block, if the budget has room)."""
+        if block.key in self:
+            return True
+        if parent is not None and parent.key not in self:
+            self.counters.refused += 1
+            return False
+        if isinstance(item, SinkOf):
+            if not self._room_for(self.pool.sink_bytes()):
+                return False
+            sink = self.pool.save_sink(item.row.slot)
+            self.pool.sinks.set_hash(sink, block.key, block.tokens)
+            self.pool.sinks.decref([sink])
+        elif not self.pool.records.set_hash(item, block.key, block.tokens):
+            self.counters.refused += 1
+            return False
+        self.counters.inserted += 1
+        return True
+
+    def load(self, block: BlockKey, parent: BlockKey | None, parts: Sequence[Part]) -> bool:
+        """Cache a block read from disk: written into a free pool block (if the budget has room)."""
+        if block.key in self:
+            return True
+        payload = payload_from_parts(parts)
+        kind = "sink" if block.index == 0 else "record"
+        width = _WIDTH[kind]
+        if payload.kind != kind or len(payload.arrays) != width * len(self.pool.layers):
+            raise ValueError(f"a {payload.kind} payload of {len(payload.arrays)} arrays for a {kind} block")
+        layers = [payload.arrays[l * width: (l + 1) * width] for l in range(len(self.pool.layers))]
+        for l, arrays in enumerate(layers):  # a fresh process learns the layers' shapes from the block
+            _, H, _, D = arrays[0].shape if kind == "sink" else (None, *_heads_dims(arrays))
+            self.pool.ensure_layer(l, H, D)
+        need = self.pool.sink_bytes() if kind == "sink" else self.pool.block_bytes()
+        if (parent is not None and parent.key not in self) or not self._room_for(need):
+            self.counters.refused += 1
+            return False
+        if kind == "sink":
+            sink = self.pool.allocate("sinks", 1)[0]
+            for l, (keys, values) in enumerate(layers):
+                self.pool.write_sink(l, sink, keys, values)
+            self.pool.sinks.set_hash(sink, block.key, block.tokens)
+            self.pool.sinks.decref([sink])
+        else:
+            record = self.pool.allocate("records", 1)[0]
+            for l, arrays in enumerate(layers):
+                self.pool.write_records(l, [record], {n: x[None] for n, x in block_major(arrays).items()})
+            self.pool.records.set_hash(record, block.key, block.tokens)
+            self.pool.records.decref([record])
+        self.counters.inserted += 1
+        return True
+
+    def parts(self, item: Any) -> list[Part]:
+        """A block's disk payload, read out of the pool."""
+        arrays: list[mx.array] = []
+        if isinstance(item, SinkOf):
+            G = self.pool.layout.tile_size
+            for a in self.pool.layers:
+                s = item.row.slot
+                arrays += [a.win_k[s: s + 1, :, :G].astype(mx.float16), a.win_v[s: s + 1, :, :G].astype(mx.float16)]
+            kind = "sink"
+        else:
+            ids = mx.array([item], dtype=mx.int32)
+            for l in range(len(self.pool.layers)):
+                fields = {name: x[0] for name, x in self.pool.gather_records(l, ids).items()}
+                arrays += list(single_tile(fields))
+            kind = "record"
+        mx.eval(arrays)
+        return to_parts(kind, arrays)
+
+    # --- hits ---
+    def pin(self, hits: list[int]) -> PoolHit:
+        self.pool.sinks.incref(hits[:1])
+        self.pool.records.incref(hits[1:])
+        return PoolHit(hits[0], list(hits[1:]))
+
+    def unpin(self, hit: PoolHit) -> None:
+        if hit.pinned:
+            hit.pinned = False
+            self.pool.sinks.decref([hit.sink])
+            self.pool.records.decref(hit.records)
+
+    def adopt(self, hit: PoolHit, row: PagedRow) -> None:
+        """An empty row takes a pinned hit: its table the record blocks (their pins become the
+        row's references), its window a copy of the sink."""
+        if not hit.pinned or row.table or any(view.offset for view in row.layers.values()):
+            raise ValueError("a hit is adopted once, by an empty row")
+        G = self.pool.layout.tile_size
+        self.pool.load_sink(hit.sink, row.slot)
+        self.pool.sinks.decref([hit.sink])
+        row.table = list(hit.records)
+        hit.pinned = False
+        for view in row.layers.values():
+            view.offset, view.num_tiles, view.tail_len = (1 + len(hit.records)) * G, len(hit.records), 0
+
+    # --- bytes ---
+    @property
+    def nbytes(self) -> int:
+        return self.pool.cached_bytes()
+
+    @property
+    def stats(self) -> TierStats:
+        self.counters.evicted = self.pool.records.evicted + self.pool.sinks.evicted
+        self.counters.bytes = self.nbytes
+        return self.counters
+
+    def _room_for(self, nbytes: int) -> bool:
+        """Make room for ``nbytes`` more cached bytes within the cap and the headroom (evicting
+        least recently released blocks); False if it cannot be made."""
+        limits = [self.budget_bytes] if self.budget_bytes is not None else []
+        if self.headroom is not None:
+            limits.append(self.nbytes + self.headroom())
+        if not limits:
+            return True
+        limit = min(limits)
+        if nbytes > limit:
+            self.counters.refused += 1
+            return False
+        self.evict_to(limit - nbytes)
+        return True
+
+    def evict_to(self, target: int) -> int:
+        return self.pool.evict_to(target)
+
+    def clear(self) -> int:
+        """Forget every cached block (held ones stay with their rows); returns the bytes freed."""
+        released = self.nbytes
+        self.pool.records.drop_hashes()
+        self.pool.sinks.drop_hashes()
+        return released
+
+
+def _heads_dims(arrays: Sequence[mx.array]) -> tuple[int, int, int]:
+    """(H, G, D) of a record block in the single-tile layout (k_codes [1, H, S, W, G*bits/32])."""
+    _, H, S, W, _ = arrays[0].shape
+    _, _, _, G = arrays[3].shape  # k_r [1, H, S, G]
+    return H, G, S * W
