@@ -6,8 +6,9 @@ CPU mode (default; shapes of the bundled model: 2 KV heads, head_dim 128), from 
 Device mode (a CUDA GPU; the issue-11 shape: one layer of the 8B model, 8 KV heads, D = G = 128,
 k4v2): ``python3 bench/commit_cost.py --device [--out FILE.json]``. Times the fused commit kernel
 (metal/commit.py, 8 and 4 rows a thread) against ``kvarn.pool.quantize_blocks`` (the mx.compile'd
-pure-MLX quantizer) for 1, 8, 32 and 64 tiles, and counts how many code words and factors of the
-kernel differ from the reference's on the same tiles. Timing: ``n`` calls queued, one mx.eval,
+pure-MLX quantizer) for 32 tiles (every row of a 32-row batch commits) and 1, counts how many code
+words and factors of the kernel differ from the reference's on the same tiles, and reports the
+first calls (MLX's JIT compiles: tens of seconds on a fresh machine) apart. Timing: ``n`` calls queued, one mx.eval,
 mx.synchronize; median over ``reps`` (after warm-up).
 """
 
@@ -67,30 +68,29 @@ def timed(fn, n: int, reps: int) -> float:
 def device_table(out_path: str | None) -> None:
     import numpy as np
 
-    from kvarn.pool import quantize_blocks
+    from kvarn.pool import quantize_blocks_reference as quantize_blocks  # the pure-MLX quantizer, never the kernel
     from metal import commit as C
     from metal import commit_path
     H, D, G, kb, vb = 8, 128, 128, 4, 2
     layout = KVLayout.kvarn("k4v2")
-
-    def reference(*, keys, values, key_bits, value_bits, iters):
-        return quantize_blocks(keys, values, KVLayout(scheme="kvarn", key_bits=key_bits, value_bits=value_bits,
-                                                      tile_size=keys.shape[2], iters=iters))
-
-    verdict = commit_path(reference=reference, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb,
-                          iters=layout.iters)
-    print(f"device {mx.default_device()}; commit_path: {verdict}; one layer, {H} KV heads, D = G = {D}, k4v2\n")
-    print("| tiles | quantize_blocks | kernel (8 rows/thread) | kernel (4 rows/thread) | ratio (best kernel) | "
-          "code words differing | factors differing |")
-    print("|---|---|---|---|---|---|---|")
+    say = lambda *a: print(*a, flush=True)  # noqa: E731 - a run cut short keeps what it printed
+    say(f"device {mx.default_device()}; one layer, {H} KV heads, D = G = {D}, k4v2")
+    say("| tiles | quantize_blocks | kernel (8 rows/thread) | kernel (4 rows/thread) | ratio (best kernel) | "
+        "code words differing | factors differing | first calls (JIT): reference, kernel |")
+    say("|---|---|---|---|---|---|---|---|")
     rows = []
-    for n in (1, 8, 32, 64):
+    for n in (32, 1):
         k1, k2 = mx.random.split(mx.random.key(n))
         keys = (mx.random.normal((n, H, G, D), key=k1) * mx.linspace(0.2, 3.0, D)).astype(mx.float16)
         values = mx.random.normal((n, H, G, D), key=k2).astype(mx.float16)
         mx.eval(keys, values)
+        t0 = time.perf_counter()
         ref = quantize_blocks(keys, values, layout)
+        mx.eval(list(ref.values()))
+        t1 = time.perf_counter()
         got = C.quantize_tiles(keys=keys, values=values, key_bits=kb, value_bits=vb, iters=layout.iters)
+        mx.eval(list(got.values()))
+        t2 = time.perf_counter()
         codes = sum(int((np.array(got[f]) != np.array(ref[f])).sum()) for f in ("k_codes", "v_codes"))
         factors = sum(int((np.array(got[f]) != np.array(ref[f])).sum()) for f in got if not f.endswith("codes"))
         t_ref = timed(lambda: list(quantize_blocks(keys, values, layout).values()), 5, 7)
@@ -100,14 +100,22 @@ def device_table(out_path: str | None) -> None:
                 t_k[r] = timed(lambda: list(C.quantize_tiles(keys=keys, values=values, key_bits=kb, value_bits=vb,
                                                              iters=layout.iters, rows=r).values()), 20, 7)
             except Exception as exc:  # noqa: BLE001 - a launch failure of one variant is a result too
-                print(f"rows={r}: {exc}")
+                say(f"rows={r}: {exc}")
                 t_k[r] = float("nan")
         best = min(v for v in t_k.values() if v == v)
-        print(f"| {n} | {t_ref * 1e3:.3f} ms | {t_k[8] * 1e3:.3f} ms | {t_k[4] * 1e3:.3f} ms | "
-              f"{t_ref / best:.1f}x | {codes} | {factors} |")
+        say(f"| {n} | {t_ref * 1e3:.3f} ms | {t_k[8] * 1e3:.3f} ms | {t_k[4] * 1e3:.3f} ms | {t_ref / best:.1f}x | "
+            f"{codes} | {factors} | {t1 - t0:.1f} s, {t2 - t1:.1f} s |")
         rows.append({"tiles": n, "reference_ms": t_ref * 1e3, "kernel_rows8_ms": t_k[8] * 1e3,
                      "kernel_rows4_ms": t_k[4] * 1e3, "speedup": t_ref / best, "code_words_differing": codes,
-                     "factors_differing": factors})
+                     "factors_differing": factors, "first_call_reference_s": t1 - t0, "first_call_kernel_s": t2 - t1})
+
+    def reference(*, keys, values, key_bits, value_bits, iters):
+        return quantize_blocks(keys, values, KVLayout(scheme="kvarn", key_bits=key_bits, value_bits=value_bits,
+                                                      tile_size=keys.shape[2], iters=iters))
+
+    verdict = commit_path(reference=reference, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb,
+                          iters=layout.iters)
+    say(f"commit_path: {verdict}")
     if out_path:
         Path(out_path).write_text(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__,
                                               "commit_path": verdict, "H": H, "D": D, "G": G, "layout": "k4v2",

@@ -38,13 +38,15 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 
 from kvarn.layout import KVLayout
 from kvarn.quantize import quantize_keys_values
+from metal import commit_path
+from metal.commit import quantize_tiles
 
 PAD = 0  # the reserved id of every kind
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
@@ -226,11 +228,31 @@ def block_nbytes(layout: KVLayout, H: int, D: int) -> int:
 def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:
     """Quantize rotated float16 tiles [n, H, G, D] into n blocks (block-major record fields).
 
-    The same quantizer as ``kvarn.record.quantize_tiles`` on the same tiles (so the same codes and
-    factors, byte for byte: tested), laid out block-major, through ``mx.compile``: the ~200 small
-    operations of the quantizer are built once and fused instead of built in Python at every
-    commit, for tile counts padded to a power of two (tiles are quantized independently, so the
-    zero padding changes nothing; on CUDA each compiled shape costs a JIT compile)."""
+    On a CUDA GPU where ``metal.commit_path`` says so (the fused kernel has the layout's template
+    and passed its self-check against this module's quantizer), one launch of
+    ``metal.commit.quantize_tiles`` for every tile, head, K and V: the same bytes (tested).
+    Elsewhere the pure-MLX quantizer (``quantize_blocks_reference``)."""
+    n, H, G, D = keys.shape
+    if commit_path(reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits,
+                   value_bits=layout.value_bits, iters=layout.iters) == "cuda-fused":
+        return quantize_tiles(keys=keys, values=values, key_bits=layout.key_bits, value_bits=layout.value_bits,
+                              iters=layout.iters)
+    return quantize_blocks_reference(keys, values, layout)
+
+
+def _reference(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int) -> dict[str, mx.array]:
+    """``quantize_blocks_reference`` called as ``metal.commit_path``'s self-check calls it."""
+    layout = replace(KVLayout.kvarn((key_bits, value_bits), tile_size=keys.shape[2]), iters=iters)
+    return quantize_blocks_reference(keys, values, layout)
+
+
+def quantize_blocks_reference(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:
+    """The pure-MLX quantizer: the same quantizer as ``kvarn.record.quantize_tiles`` on the same
+    tiles (so the same codes and factors, byte for byte: tested), laid out block-major, through
+    ``mx.compile``: the ~200 small operations of the quantizer are built once and fused instead of
+    built in Python at every commit, for tile counts padded to a power of two (tiles are quantized
+    independently, so the zero padding changes nothing; on CUDA each compiled shape costs a JIT
+    compile)."""
     fn = _COMPILED.get(layout)
     if fn is None:
         fn = _COMPILED[layout] = mx.compile(lambda k, v: tuple(_quantize_blocks(k, v, layout)[n] for n in RECORD_FIELDS))
@@ -246,13 +268,16 @@ _COMPILED: dict[KVLayout, object] = {}
 
 
 def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
-    """Compile the quantizer for every tile-count bucket up to ``max_tiles`` now (at start-up)
-    rather than in the first step that commits that many tiles (a JIT compile on CUDA)."""
+    """Decide the commit path (the fused kernel's self-check) and, where the pure-MLX quantizer
+    runs, compile it for every tile-count bucket up to ``max_tiles`` now (at start-up) rather than
+    in the first step that commits that many tiles (a JIT compile on CUDA)."""
     n = 1
     while True:
         tiles = mx.zeros((n, H, layout.tile_size, D), STORE_DTYPE)
         mx.eval(list(quantize_blocks(tiles, tiles, layout).values()))
-        if n >= max_tiles:
+        fused = commit_path(reference=_reference, head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
+                            value_bits=layout.value_bits, iters=layout.iters) == "cuda-fused"
+        if n >= max_tiles or fused:
             return
         n *= 2
 

@@ -7,10 +7,13 @@ value (x - z) / a lies within CODE_WINDOW of a .5 boundary (then it may differ b
 float16 factor identical, except in a matrix whose normalization kept another of two iterates
 whose imbalances tie to float noise (a "flip"; measured on converged tiles, where the iterates
 differ by a gauge lr + t, lc - t), and then the matrix must dequantize to the same values within
-FLIP_TOL. Counts are printed in the pytest summary (tests/metal/conftest.py)."""
+FLIP_TOL. Counts are printed in the pytest summary (tests/metal/conftest.py) and, where the
+environment names a file in KVARN_COMMIT_LOG, appended there one JSON line a comparison."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 
 import mlx.core as mx
@@ -20,7 +23,7 @@ import pytest
 import metal
 from kvarn import quantize as Q
 from kvarn.layout import KVLayout
-from kvarn.pool import RECORD_FIELDS, quantize_blocks, record_shapes
+from kvarn.pool import RECORD_FIELDS, quantize_blocks_reference, record_shapes
 from metal import commit as C
 from tests.kvarn.reference import unpack
 from tests.metal import cuda_emulator
@@ -51,7 +54,7 @@ def make_tiles(n: int, H: int, G: int, D: int, seed: int = 0) -> tuple[mx.array,
 
 def reference(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int = ITERS) -> dict:
     layout = KVLayout(scheme="kvarn", key_bits=key_bits, value_bits=value_bits, tile_size=keys.shape[2], iters=iters)
-    return quantize_blocks(keys, values, layout)
+    return quantize_blocks_reference(keys, values, layout)
 
 
 def _pre_rounding(m: mx.array, bits: int) -> np.ndarray:
@@ -114,6 +117,11 @@ def compare(got: dict, ref: dict, keys: mx.array, values: mx.array, kb: int, vb:
             assert err[bad].max() <= FLIP_TOL, f"factors differ beyond a flip: {err[bad].max()}"
             counts["flip_matrices"] += int(bad.sum())
     REPORT.update(counts)
+    log_path = os.environ.get("KVARN_COMMIT_LOG")
+    if log_path:  # one line a comparison, written at once (a run cut short keeps what it measured)
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+                                "G": G, "D": D, "n": n, "H": H, "kb": kb, "vb": vb, **counts}) + "\n")
     return counts
 
 
@@ -193,9 +201,8 @@ def test_compare_sees_a_wrong_code():
 
 
 # ---- the kernel on a GPU ----
-BITS = [(kb, vb) for kb in (2, 3, 4, 8) for vb in (2, 4, 8)] + [(5, 6), (6, 3)]
-SHAPES = [(64, 64, 3, 2), (64, 128, 4, 8), (128, 64, 2, 4), (64, 256, 8, 3), (128, 256, 4, 2), (128, 64, 5, 6),
-          (64, 64, 8, 8)]
+BITS = [(kb, vb) for kb in (2, 3, 4, 8) for vb in (2, 4, 8)] + [(5, 6)]
+SHAPES = [(64, 64, 3, 2), (64, 128, 4, 8), (128, 64, 2, 4), (64, 256, 8, 3), (128, 256, 6, 2)]
 
 
 @needs_cuda
@@ -215,7 +222,7 @@ def test_kernel_matches_quantize_blocks_shapes(G, D, kb, vb):
 
 
 @needs_cuda
-@pytest.mark.parametrize("n", [1, 17, 64])
+@pytest.mark.parametrize("n", [1, 64])
 def test_kernel_many_tiles(n):
     keys, values = make_tiles(n, 8, 128, 128, seed=n)
     kw = dict(keys=keys, values=values, key_bits=4, value_bits=2)
@@ -223,7 +230,7 @@ def test_kernel_many_tiles(n):
 
 
 @needs_cuda
-@pytest.mark.parametrize("G,D", [(128, 128), (64, 256)])
+@pytest.mark.parametrize("G,D", [(128, 128)])
 def test_kernel_four_rows_a_thread(G, D):
     keys, values = make_tiles(4, 2, G, D, seed=3)
     kw = dict(keys=keys, values=values, key_bits=4, value_bits=2)
