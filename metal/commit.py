@@ -11,8 +11,8 @@ fields of ``kvarn/pool.py`` for n blocks::
 One block per matrix (K or V of one tile, head and 128-channel slice; S = D / W slices), the
 matrix held in registers (ROWS rows of 4 columns a thread) and shared memory.
 
-**Same bytes as the pure-MLX quantizer on the GPU.** ``kvarn.pool.quantize_blocks`` runs as
-MLX CUDA kernels whose float32 results depend on the order of their sums. The kernel repeats
+**Same bytes as the pure-MLX quantizer on the GPU.** ``kvarn.pool.quantize_blocks_reference``
+runs as MLX CUDA kernels whose float32 results depend on the order of their sums. The kernel repeats
 them: every elementwise step is the same IEEE operation (``/`` and ``sqrt`` correctly rounded,
 ``expf``/``logf`` as MLX's ``cuda::std::exp``/``log``, no fused multiply-add: the ``_rn``
 intrinsics forbid contraction), and every sum is added in MLX's order: a sum along the
@@ -108,8 +108,8 @@ def _kernel(smem: int):
 def quantize_tiles(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int = 8,
                    rows: int = DEFAULT_ROWS) -> dict[str, mx.array]:
     """Quantize rotated float16 tiles [n, H, G, D] into n blocks of record fields (the module
-    docstring's shapes), the same bytes as ``kvarn.pool.quantize_blocks`` with a layout of these
-    bits, tile size G and ``iters``. ``rows``: 4 or 8 rows a thread (a speed knob only)."""
+    docstring's shapes), the same bytes as ``kvarn.pool.quantize_blocks_reference`` with a layout
+    of these bits, tile size G and ``iters``. ``rows``: 4 or 8 rows a thread (a speed knob only)."""
     n, H, G, D = keys.shape
     if values.shape != keys.shape:
         raise ValueError(f"keys {keys.shape} and values {values.shape} differ")

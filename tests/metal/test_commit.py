@@ -1,4 +1,5 @@
-"""The fused tile commit (metal/commit.py) against kvarn's own quantizer (``kvarn.pool.quantize_blocks``):
+"""The fused tile commit (metal/commit.py) against kvarn's own pure-MLX quantizer
+(``kvarn.pool.quantize_blocks_reference``):
 its CUDA source run by the CPU emulator on a few small layouts, and the kernel on a GPU across
 bits, head dims, tile sizes and tile counts (those skip on the CPU).
 
@@ -39,7 +40,8 @@ REPORT_KEYS = ("matrices", "codes", "code_mismatch", "factors", "factor_mismatch
 
 
 def format_report() -> str:
-    return "commit kernel vs kvarn.pool.quantize_blocks: " + ", ".join(f"{k}={REPORT[k]}" for k in REPORT_KEYS)
+    counts = ", ".join(f"{k}={REPORT[k]}" for k in REPORT_KEYS)
+    return "commit kernel vs kvarn.pool.quantize_blocks_reference: " + counts
 
 
 def make_tiles(n: int, H: int, G: int, D: int, seed: int = 0) -> tuple[mx.array, mx.array]:
