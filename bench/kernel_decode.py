@@ -1,9 +1,12 @@
-"""One layer's KVarN decode attention on the GPU: the fused paged kernel (metal/paged_decode.py)
-vs fused fp16 SDPA on contiguous fp16 K/V vs the pure-MLX reference path (gather, dequantize, SDPA).
+"""One layer's KVarN decode attention on the GPU: the fused paged kernel (metal/paged_decode.py; its
+tensor-core body and variants, its scalar body) vs fused fp16 SDPA on contiguous fp16 K/V vs the
+pure-MLX reference path (gather, dequantize, SDPA).
 
-32 query heads, 8 KV heads, D = 128, G = 128, k4v2; B rows of T tokens each. Timing: ``n`` calls
-queued, one mx.eval, mx.synchronize; median over ``reps`` (after warm-up). KVarN bytes = what the
-kernel must read: the rows' record blocks + the valid sink and tail tokens (float16).
+32 query heads, 8 KV heads, D = 128, G = 128, k4v2; B rows of T tokens each. Timing: 32 calls
+queued (as a 32-layer decode step queues one a layer), one mx.eval, mx.synchronize; median over
+``reps`` (after warm-up). KVarN bytes = what the
+kernel must read: the rows' record blocks + the valid sink and tail tokens (float16). Every variant's
+output is checked against the reference path on the same case (max |a - b| / max |b|).
 
     python3 bench/kernel_decode.py --out bench/results/kernel-decode-h200.json
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,13 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvarn.layout import KVLayout  # noqa: E402
 from kvarn.pool import block_nbytes, record_shapes  # noqa: E402
 from metal import attention_path  # noqa: E402
-from metal.paged_decode import RowLengths, make_plan, paged_decode_attention, \
+from metal.paged_decode import BLOCKS_PER_SM, RowLengths, Variant, make_plan, paged_decode_attention, \
     reference_paged_decode_attention  # noqa: E402
 
 NQ, H, D, G = 32, 8, 128, 128
 LAYOUT = KVLayout.kvarn("k4v2")
 SHAPES = [(1, 4096), (16, 4096), (16, 32768), (64, 8192), (1, 32768), (32, 16384), (4, 4096 + 77)]
 PEAK = 4.2e12
+VARIANTS = {  # name -> (variant, make_plan keywords)
+    "mma": (Variant(), {}),                                      # the default plan policy
+    "mma-split": (Variant(), {"single": False}),                 # always split (about one wave)
+    "mma-single": (Variant(), {"single": True}),                 # always one work item a row, one launch
+    "mma-fold": (Variant(fold_k=1, fold_v=1), {}),
+    "scalar": (Variant(kind="scalar"), {"blocks_per_sm": 16, "single": False}),
+}
+CALLS = 32  # calls queued per mx.eval, as one decode step queues one per layer
+ROTATE = 256 << 20  # each timed call reads other copies until this many bytes (4x the L2): no cache reuse
 
 
 def timed(fn, n: int, reps: int) -> float:
@@ -46,12 +59,12 @@ def timed(fn, n: int, reps: int) -> float:
     return statistics.median(out)
 
 
-def pool_case(B: int, T: int):
+def pool_case(B: int, T: int, seed: int = 0):
     """A pool layer holding B rows of T tokens (random codes and factors), blocks interleaved."""
     sink, rest = min(T, G), max(0, T - G)
     nt, tail = rest // G, rest % G
     n_blocks = B * nt + 1
-    key = mx.random.key(0)
+    key = mx.random.key(seed)
     records = {}
     record_shapes_ = record_shapes(LAYOUT, H, D)
     for i, (name, (shape, dt)) in enumerate(record_shapes_.items()):
@@ -72,48 +85,76 @@ def pool_case(B: int, T: int):
     return kw, nbytes
 
 
-def run_shape(B: int, T: int, reps: int) -> dict:
+def rel_err(a: mx.array, b: mx.array) -> float:
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.max(mx.abs(a - b)) / mx.max(mx.abs(b))).item()
+
+
+def run_shape(B: int, T: int, reps: int, variants: dict) -> dict:
     kw, nbytes = pool_case(B, T)
+    copies = [kw] + [pool_case(B, T, seed)[0] for seed in range(1, min(64, -(-ROTATE // nbytes)))]
     L = kw["lengths"]
-    plan = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
-    K = mx.random.normal((B, H, T, D)).astype(mx.float16)
-    V = mx.random.normal((B, H, T, D)).astype(mx.float16)
-    mx.eval(K, V)
+    fp16_bytes = 2 * B * H * T * D * 2
+    KV = [(mx.random.normal((B, H, T, D)).astype(mx.float16), mx.random.normal((B, H, T, D)).astype(mx.float16))
+          for _ in range(min(64, -(-ROTATE // fp16_bytes)))]
+    mx.eval(KV)
     q = kw["queries"]
-    n = max(3, min(50, int(2e9 // (K.nbytes + V.nbytes))))
-    res = {"B": B, "T": T, "kvarn_bytes": nbytes, "fp16_bytes": K.nbytes + V.nbytes, "splits": plan.num_items}
-    res["fused_ms"] = 1e3 * timed(lambda: paged_decode_attention(**kw, plan=plan), n, reps)
-    res["fused_ms_by_blocks_per_sm"] = {}
-    for bps in (4, 8, 32):  # the split policy's knob (the default is BLOCKS_PER_SM)
-        p2 = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H, blocks_per_sm=bps)
-        res["fused_ms_by_blocks_per_sm"][bps] = 1e3 * timed(lambda: paged_decode_attention(**kw, plan=p2), n, reps)
-    res["fp16_sdpa_ms"] = 1e3 * timed(lambda: mx.fast.scaled_dot_product_attention(q, K, V, scale=D ** -0.5), n, reps)
-    del K, V
-    res["reference_ms"] = 1e3 * timed(lambda: reference_paged_decode_attention(**kw), max(2, n // 4), max(3, reps // 3))
-    res["fused_GBps"] = nbytes / res["fused_ms"] / 1e6
-    res["fused_frac_of_4.2TBps"] = res["fused_GBps"] * 1e9 / PEAK
-    res["fp16_GBps"] = res["fp16_bytes"] / res["fp16_sdpa_ms"] / 1e6
-    res["speedup_vs_fp16"] = res["fp16_sdpa_ms"] / res["fused_ms"]
-    res["speedup_vs_reference"] = res["reference_ms"] / res["fused_ms"]
+    n = CALLS
+    res = {"B": B, "T": T, "kvarn_bytes": nbytes, "fp16_bytes": fp16_bytes, "kvarn_copies": len(copies),
+           "fp16_copies": len(KV), "variants": {}}
+    it = iter(range(10**9))
+
+    def sdpa():
+        K, V = KV[next(it) % len(KV)]
+        return mx.fast.scaled_dot_product_attention(q, K, V, scale=D ** -0.5)
+
+    res["fp16_sdpa_ms"] = 1e3 * timed(sdpa, n, reps)
+    del KV
+    ref = reference_paged_decode_attention(**kw)
+    mx.eval(ref)
+    res["reference_ms"] = 1e3 * timed(lambda: reference_paged_decode_attention(**kw), 4, 3)
+    for name, (variant, plan_kw) in variants.items():
+        plan = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H, **plan_kw)
+        err = rel_err(paged_decode_attention(**kw, plan=plan, variant=variant), ref)
+
+        def call():
+            return paged_decode_attention(**copies[next(it) % len(copies)], plan=plan, variant=variant)
+
+        ms = 1e3 * timed(call, n, reps)
+        res["variants"][name] = {"ms": ms, "err_vs_reference": err, "splits": plan.num_items,
+                                 "GBps": nbytes / ms / 1e6, "frac_of_4.2TBps": nbytes / ms / 1e-3 / PEAK,
+                                 "vs_fp16": res["fp16_sdpa_ms"] / ms}
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/kernel-decode.json")
-    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
+    variants = {k: VARIANTS[k] for k in args.variants.split(",")}
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = {"device": str(mx.default_device()), "mlx": mx.__version__, "attention_path": attention_path(),
-           "heads": [NQ, H], "head_dim": D, "tile": G, "layout": "k4v2", "rows": []}
+           "git": git, "heads": [NQ, H], "head_dim": D, "tile": G, "layout": "k4v2",
+           "default_blocks_per_sm": BLOCKS_PER_SM, "calls_per_eval": CALLS, "rows": []}
     for B, T in SHAPES:
-        r = run_shape(B, T, args.reps)
+        r = run_shape(B, T, args.reps, variants)
         out["rows"].append(r)
-        print(f"{B:3d} x {T:6d}  fused {r['fused_ms']:.4f} ms ({r['fused_GBps']:.0f} GB/s, "
-              f"{r['fused_frac_of_4.2TBps']:.2f})  fp16 {r['fp16_sdpa_ms']:.4f} ms  ref {r['reference_ms']:.3f} ms  "
-              f"x{r['speedup_vs_fp16']:.2f} vs fp16  splits {r['splits']}  by blocks/SM "
-              f"{ {k: round(v, 4) for k, v in r['fused_ms_by_blocks_per_sm'].items()} }", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(f"{B:3d} x {T:6d}  fp16 {r['fp16_sdpa_ms']:.4f} ms  ref {r['reference_ms']:.3f} ms  " + "  ".join(
+            f"{k} {v['ms']:.4f} ({v['vs_fp16']:.2f}x, err {v['err_vs_reference']:.1e}, {v['splits']})"
+            for k, v in r["variants"].items()), flush=True)
+    print("\n| B x T | kernel ms | fp16 SDPA ms | vs fp16 | GB/s | of 4.2 TB/s | best variant (ms, vs fp16) | max err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in out["rows"]:
+        v = r["variants"][next(iter(variants))]
+        best = min(r["variants"].items(), key=lambda kv: kv[1]["ms"])
+        err = max(x["err_vs_reference"] for x in r["variants"].values())
+        print(f"| {r['B']} x {r['T']} | {v['ms']:.4f} | {r['fp16_sdpa_ms']:.4f} | {v['vs_fp16']:.2f}x | "
+              f"{v['GBps']:.0f} | {v['frac_of_4.2TBps']:.2f} | {best[0]} ({best[1]['ms']:.4f}, "
+              f"{best[1]['vs_fp16']:.2f}x) | {err:.1e} |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,15 @@ for warp shuffles, _Float16 for __half) and launched block after block.
 
 It checks the kernels' indexing, bit extraction and reductions where no GPU is present; it says
 nothing about speed, and nothing about what the shim does not model (memory ordering beyond
-barriers, warp-synchronous code without shuffles: the kernels here have none)."""
+barriers, warp-synchronous code without shuffles: the kernels here have none).
+
+The tensor-core body's device primitives (``KV_EMU`` replaces them) are modelled here: ``kv_mma``
+is ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` as PTX's ISA lays out its fragments
+(each lane posts its A, B and C registers to a per-warp buffer, a warp barrier, each lane computes
+its four D elements in float32, a barrier); ``cp.async`` is a plain 16-byte copy (its waits are
+no-ops: the copies are done when issued); ``__byte_perm`` selects bytes as PRMT does (the
+selector's sign-replicate bit is not modelled: the kernels do not set it); half2 arithmetic
+rounds once to _Float16."""
 
 from __future__ import annotations
 
@@ -55,10 +63,63 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline float __half2float(__half h) { return (float)h; }
 inline __half __float2half_rn(float f) { return (_Float16)f; }
 inline float2 __half22float2(__half2 h) { return {(float)h.x, (float)h.y}; }
+struct alignas(8) uint2 { unsigned x, y; };
 struct __nv_bfloat16 { uint16_t v; };
 inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = (uint32_t)b.v << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   uint32_t u; std::memcpy(&u, &f, 4); u += 0x7fff + ((u >> 16) & 1); return {(uint16_t)(u >> 16)};
+}
+#define KV_EMU 1
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_wbar[threadIdx.x >> 5]->arrive_and_wait(); }
+inline float __shfl_sync(unsigned, float v, int src) {
+  const int t = threadIdx.x;
+  emu_x[t] = v;
+  emu_wbar[t >> 5]->arrive_and_wait();
+  const float r = emu_x[(t & ~31) | (src & 31)];
+  emu_wbar[t >> 5]->arrive_and_wait();
+  return r;
+}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t v = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xff) << (8 * i);
+  return r;
+}
+inline float emu_h(uint32_t u, int hi) { uint16_t v = hi ? (uint16_t)(u >> 16) : (uint16_t)(u & 0xffff); _Float16 f; std::memcpy(&f, &v, 2); return (float)f; }
+inline uint32_t emu_hbits(float x) { _Float16 f = (_Float16)x; uint16_t v; std::memcpy(&v, &f, 2); return v; }
+inline float kv_hf(unsigned short u) { return emu_h(u, 0); }
+inline unsigned short kv_fh(float x) { return (unsigned short)emu_hbits(x); }
+inline uint32_t kv_pack2(float lo, float hi) { return emu_hbits(lo) | (emu_hbits(hi) << 16); }
+inline uint32_t kv_hfma2(uint32_t a, uint32_t b, uint32_t c) {
+  return emu_hbits(emu_h(a, 0) * emu_h(b, 0) + emu_h(c, 0)) | (emu_hbits(emu_h(a, 1) * emu_h(b, 1) + emu_h(c, 1)) << 16);
+}
+inline uint32_t kv_hmul2(uint32_t a, uint32_t b) {
+  return emu_hbits(emu_h(a, 0) * emu_h(b, 0)) | (emu_hbits(emu_h(a, 1) * emu_h(b, 1)) << 16);
+}
+inline void kv_cp16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+inline void kv_cp_commit() {}
+template <int N> inline void kv_cp_wait() {}
+inline uint32_t emu_a[32][32][4], emu_b[32][32][2];
+inline void kv_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
+  emu_a[w][l][0] = a0; emu_a[w][l][1] = a1; emu_a[w][l][2] = a2; emu_a[w][l][3] = a3;
+  emu_b[w][l][0] = b0; emu_b[w][l][1] = b1;
+  emu_wbar[w]->arrive_and_wait();
+  float d[4];
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+    float acc = c[e];
+    for (int k = 0; k < 16; ++k) {
+      // A (row-major 16x16): lane (row % 8) * 4 + (k % 8) / 2, register (row / 8) + 2 * (k / 8), half k % 2
+      const float a = emu_h(emu_a[w][(row & 7) * 4 + ((k & 7) >> 1)][(row >> 3) + 2 * (k >> 3)], k & 1);
+      // B (16x8, "col"): lane col * 4 + (k % 8) / 2, register k / 8, half k % 2
+      const float bb = emu_h(emu_b[w][col * 4 + ((k & 7) >> 1)][k >> 3], k & 1);
+      acc += a * bb;
+    }
+    d[e] = acc;
+  }
+  emu_wbar[w]->arrive_and_wait();
+  for (int e = 0; e < 4; ++e) c[e] = d[e];
 }
 """
 
@@ -131,33 +192,38 @@ def _dt(a):
                                                  mx.int32: np.int32, mx.uint32: np.uint32}[a])
 
 
-def run_launch(name: str, header: str, source: str, input_names: list[str], output_names: list[str], call) -> list:
+def run_launch(call) -> list:
     """Run a ``metal.paged_decode.Launch`` through the emulator; returns the outputs as numpy arrays."""
     import mlx.core as mx
     ins = [_np(a) for a in call.inputs]
-    outs = [np.zeros(s, np.uint16 if d == mx.bfloat16 else _dt(d)) for s, d in zip(call.output_shapes, call.output_dtypes)]
+    outs = [np.full(s, 0xFFFF, np.uint16) if d == mx.bfloat16 else np.full(s, np.nan, _dt(d))
+            for s, d in zip(call.output_shapes, call.output_dtypes)]  # poisoned: every element must be written
     template = [(n, v if isinstance(v, int) else _dt(v)) for n, v in call.template]
-    lib = build(name, header, source, [(n, _dt(a.dtype)) for n, a in zip(input_names, call.inputs)],
-                [(n, _dt(d)) for n, d in zip(output_names, call.output_dtypes)], template)
+    lib = build(call.name, call.header, call.source, [(n, _dt(a.dtype)) for n, a in zip(call.input_names, call.inputs)],
+                [(n, _dt(d)) for n, d in zip(call.output_names, call.output_dtypes)], template)
     blocks = tuple((g + t - 1) // t for g, t in zip(call.grid, call.threadgroup))
     launch(lib, ins + outs, blocks, call.threadgroup[0])
     return outs
 
 
-def emulated_paged_decode_attention(**kw) -> np.ndarray:
+def emulated_paged_decode_attention(variant=None, **kw) -> np.ndarray:
     """``metal.paged_decode.paged_decode_attention`` with both kernels run by the emulator."""
     import mlx.core as mx
     from metal import paged_decode as pd
     q = kw["queries"]
     H = kw["win_k"].shape[1]
     L = kw["lengths"]
-    plan = pd.make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
+    plan = kw.get("plan") or pd.make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
     call = pd.attention_launch(q, kw["records"], kw["win_k"], kw["win_v"], kw["table"], plan, kw["scale"],
-                               (kw["key_bits"], kw["value_bits"]))
-    part_o, part_ml = run_launch("kvarn_paged_decode", pd.HEADER, pd.ATTENTION_SOURCE, pd.ATTENTION_INPUTS,
-                                 pd.ATTENTION_OUTPUTS, call)
-    call = pd.combine_launch(mx.array(part_o), mx.array(part_ml), plan, q)
-    (out,) = run_launch("kvarn_paged_combine", pd.HEADER, pd.COMBINE_SOURCE, pd.COMBINE_INPUTS, pd.COMBINE_OUTPUTS, call)
+                               (kw["key_bits"], kw["value_bits"]), variant or pd.DEFAULT_VARIANT)
+    part_o, part_ml = run_launch(call)
+    if call.final:
+        out = part_o
+        assert not (out == 0xFFFF).any() if q.dtype == mx.bfloat16 else not np.isnan(out).any(), "unwritten output"
+    else:
+        assert not np.isnan(part_o).any() and not np.isnan(part_ml).any(), "the attention kernel left outputs unwritten"
+        call = pd.combine_launch(mx.array(part_o), mx.array(part_ml), plan, q)
+        (out,) = run_launch(call)
     if q.dtype == mx.bfloat16:
         out = np.array(mx.array(out).view(mx.bfloat16).astype(mx.float32))
     return out.astype(np.float64).reshape(q.shape)

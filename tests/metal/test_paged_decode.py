@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import metal
-from metal.paged_decode import RowLengths, paged_decode_attention, plan_splits, reference_paged_decode_attention
+from metal.paged_decode import MAX_SHARED, RowLengths, Variant, make_plan, mma_stages, paged_decode_attention, \
+    plan_splits, reference_paged_decode_attention
+from metal.paged_decode_mma import mma_shared_bytes, mma_supported
 from tests.metal import cuda_emulator
 from tests.metal.cases import make_case, max_rel_error, numpy_attention
 
@@ -68,6 +70,20 @@ def test_plan_covers_every_tile_once():
     assert len([w for w in work if w[0] == 2]) > 1  # the long row is split
 
 
+def test_plan_policy_one_item_a_row_or_about_one_wave_of_splits():
+    """One work item a row (one launch) for short rows, for very few rows and for a wave of rows;
+    else splits of about one wave (the H200 measurements behind SINGLE_*: docs/benchmarks.md)."""
+    def items(B, T, H=8):
+        n, t = (T - 128) // 128, (T - 128) % 128
+        return plan_splits([n] * B, [t] * B, H)
+    assert len(items(1, 4096)) == 1 and len(items(16, 4096)) == 16  # rows of <= 64 tiles
+    assert len(items(1, 32768)) == 1 and len(items(4, 32768)) == 4   # <= 32 row-heads
+    assert len(items(64, 8192)) == 64                                # a wave of row-heads
+    work = items(16, 32768)                                          # 128 row-heads of 258 tiles: split
+    assert 40 <= len(work) <= 60 and all(hi - lo <= 90 for _, lo, hi in work)
+    assert len(plan_splits([255], [5], 8, single=True)) == 1 and len(plan_splits([255], [5], 8, single=False)) > 1
+
+
 def test_verdict_on_this_backend():
     path = metal.attention_path()
     assert path in ("cuda-fused", "metal-fused", "reference")
@@ -116,17 +132,92 @@ def test_kernel_sees_a_wrong_block():
     assert max_rel_error(got, ref) > 10 * TOL
 
 
-# ---- the kernel's CUDA source, run by the CPU emulator (slow: a few configurations) ----
-EMULATED = [(128, 128, 4, 2, 4, mx.float16), (64, 64, 3, 3, 2, mx.float16), (256, 64, 8, 3, 8, mx.bfloat16)]
+@needs_cuda
+@pytest.mark.parametrize("variant", [Variant(), Variant(fold_k=1, fold_v=1), Variant(stages=3), Variant(kind="scalar")],
+                         ids=["mma", "mma-fold", "mma-3stage", "scalar"])
+def test_kernel_variants_on_long_rows(variant):
+    """Both bodies and the tensor-core knobs, rows of several steps, each row against float64."""
+    case = make_case([9 * 128 + 5, 12 * 128, 130, 40 * 128 + 77], n_kv_heads=8, n_rep=4, head_dim=128,
+                     tile_size=128, key_bits=4, value_bits=2, seed=11)
+    ref = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    got = np.array(paged_decode_attention(**case.kwargs(), variant=variant).astype(mx.float32))
+    want = numpy_attention(case)
+    assert max_rel_error(got, ref) < TOL
+    for b in range(got.shape[0]):
+        assert max_rel_error(got[b], want[b]) < TOL
+
+
+@needs_cuda
+@pytest.mark.parametrize("kb,vb,n_rep,dtype", [(4, 2, 4, mx.float16), (8, 4, 8, mx.bfloat16), (2, 2, 1, mx.float16)])
+def test_kernel_single_launch_when_every_row_is_one_work_item(kb, vb, n_rep, dtype):
+    """A plan of one work item a row: the attention launch writes the output itself (no combine)."""
+    case = make_case(ragged(128) + [20 * 128 + 3], n_kv_heads=2, n_rep=n_rep, head_dim=128, tile_size=128,
+                     key_bits=kb, value_bits=vb, dtype=dtype, seed=5)
+    L = case.lengths
+    plan = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, 2, min_split=10**6)
+    assert plan.num_items == len(L.slots)
+    ref = np.array(reference_paged_decode_attention(**case.kwargs()).astype(mx.float32))
+    got = np.array(paged_decode_attention(**case.kwargs(), plan=plan).astype(mx.float32))
+    assert max_rel_error(got, ref) < TOL and max_rel_error(got, numpy_attention(case)) < TOL
+
+
+# ---- which body runs ----
+def test_the_tensor_core_body_takes_its_shapes_and_the_scalar_body_the_rest():
+    shape = dict(head_dim=128, tile_size=128, key_bits=4, value_bits=2, n_rep=4)
+    assert mma_supported(**shape) and mma_stages(Variant(), **shape) == 2
+    assert mma_stages(Variant(kind="scalar"), **shape) == 0
+    for other in (dict(head_dim=64), dict(head_dim=256), dict(key_bits=3), dict(value_bits=3),
+                  dict(tile_size=64, key_bits=2)):
+        assert not mma_supported(**{**shape, **other}) and mma_stages(Variant(), **{**shape, **other}) == 0
+        with pytest.raises(ValueError):
+            mma_stages(Variant(kind="mma"), **{**shape, **other})
+    big = dict(shape, key_bits=2, value_bits=8)  # 4 tiles a step of 22 KB: 3 stages pass the 227 KB a block may have
+    assert mma_shared_bytes(**big, stages=3) > MAX_SHARED and mma_stages(Variant(stages=3), **big) == 2
+
+
+# ---- the kernels' CUDA source, run by the CPU emulator (slow: a few configurations) ----
+# (D, G, kb, vb, n_rep, dtype, variant): the tensor-core body (rows of several pipeline steps), then
+# the scalar body (head dims and bits the tensor-core body does not take, and one it does)
+EMULATED = [(128, 128, 4, 2, 4, mx.float16, Variant()), (128, 64, 8, 4, 2, mx.bfloat16, Variant(stages=3)),
+            (128, 128, 2, 8, 5, mx.float16, Variant(fold_k=1, fold_v=1)),
+            (64, 64, 3, 3, 2, mx.float16, Variant()), (256, 64, 8, 3, 8, mx.bfloat16, Variant()),
+            (128, 128, 4, 2, 4, mx.float16, Variant(kind="scalar"))]
 
 
 @pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
-@pytest.mark.parametrize("D,G,kb,vb,n_rep,dtype", EMULATED)
-def test_emulated_kernel_matches_float64(D, G, kb, vb, n_rep, dtype):
-    case = make_case([1, G + 1, 3 * G - 1], n_kv_heads=1, n_rep=n_rep, head_dim=D, tile_size=G, key_bits=kb,
-                     value_bits=vb, dtype=dtype)
+@pytest.mark.parametrize("D,G,kb,vb,n_rep,dtype,variant", EMULATED)
+def test_emulated_kernel_matches_float64(D, G, kb, vb, n_rep, dtype, variant):
+    tokens = [1, G + 1, 3 * G - 1] + ([9 * G + 5] if D == 128 else [])
+    case = make_case(tokens, n_kv_heads=1, n_rep=n_rep, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb,
+                     dtype=dtype)
+    got = cuda_emulator.emulated_paged_decode_attention(variant=variant, **case.kwargs())
+    want = numpy_attention(case)
+    for b in range(len(tokens)):  # each row on its own scale: the long row's records are measured too
+        assert max_rel_error(got[b], want[b]) < TOL
+
+
+@pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
+def test_emulated_single_launch_matches_float64():
+    case = make_case([1, 130, 5 * 128 + 9], n_kv_heads=1, n_rep=4, head_dim=128, tile_size=128, key_bits=4,
+                     value_bits=2, seed=2)
+    L = case.lengths
+    plan = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, 1, min_split=10**6)
+    got = cuda_emulator.emulated_paged_decode_attention(plan=plan, **case.kwargs())
+    want = numpy_attention(case)
+    for b in range(3):
+        assert max_rel_error(got[b], want[b]) < TOL
+
+
+@pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
+def test_emulated_kernel_sees_a_wrong_block():
+    case = make_case([3 * 128 + 5, 2 * 128 + 9], n_kv_heads=1, n_rep=4, head_dim=128, tile_size=128, key_bits=4,
+                     value_bits=2, seed=3)
+    want = numpy_attention(case)
+    t = np.array(case.table)
+    t[0, 0], t[1, 0] = t[1, 0], t[0, 0]
+    case.table = mx.array(t)
     got = cuda_emulator.emulated_paged_decode_attention(**case.kwargs())
-    assert max_rel_error(got, numpy_attention(case)) < TOL
+    assert max_rel_error(got, want) > 10 * TOL
 
 
 def test_row_lengths_is_what_the_step_index_carries():
