@@ -53,8 +53,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--dtype", default="float16",
+                        help="the bundled model's compute dtype (float16: weights dequantized, so no "
+                             "quantized_matmul JIT compiles on a fresh GPU machine; native: its 8-bit weights)")
     args = parser.parse_args()
-    loaded = load_model()
+    loaded = load_model(None, args.dtype)
     data = json.loads((Path(__file__).resolve().parents[1] / "engine/data/kld_prompts.json").read_text())
     ids = loaded.tokenizer.encode(" ".join(p["text"] for p in data["prompts"]), add_special_tokens=False)
     prompts = [(ids[k * 300:] + ids)[: args.tokens] for k in range(args.prompts)]  # distinct starts

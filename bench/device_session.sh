@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device session on the lent H200, in two calls made back to back (the machine stays warm):
+#   bash bench/device_session.sh checks   # GPU tests of the kernels and the pool, commit cost, greedy tokens
+#   bash bench/device_session.sh engine   # the 8B-shaped engine benchmark and the prefix cache
+# Each step has its own time limit; logs and JSON land in $OUT (fetched back by the device tool).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+eval "$(bash .mlxcuda/install.sh)" || exit 9
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+OUT=${OUT:-/tmp/out}
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-12}" "$OUT/$name.log"
+}
+case "${1:-}" in
+  checks)
+    step metal-tests 150 python3 -m pytest -q -x -p no:cacheprovider tests/metal -k "not emulated" --durations=5
+    step pool-tests 60 python3 -m pytest -q -x -p no:cacheprovider tests/kvarn/test_paged.py tests/engine/test_pool_tier.py
+    step commit-cost 60 python3 bench/commit_cost.py --device --out "$OUT/commit-cost-h200.json"
+    step greedy 120 python3 bench/device_greedy.py --out "$OUT/device-greedy-h200.json" --dtype float16
+    ;;
+  engine)
+    step engine 430 python3 bench/device_engine.py --out "$OUT/device-engine-h200.json" --arms kvarn-k4v2,fp16 \
+      --depths 4096,16384 --concurrency 1,16,32 --mlxlm stacked --time-budget 400
+    TAIL=8 step apc 100 python3 bench/device_apc.py --out "$OUT/device-apc-h200.json" --arms kvarn-k4v2,fp16 \
+      --prompts 2 --repeats 3
+    ;;
+  *) echo "usage: $0 checks|engine" >&2; exit 2 ;;
+esac
