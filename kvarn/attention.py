@@ -128,38 +128,58 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
 
     Decode at position p attends to the sink, the records of every tile committed once p is in
     (tiles ending at or before p + 1) and, in float16, the tail: its own tile's tokens up to p.
-    A chunk gives each of its tokens exactly that view: keys are [sink | dequantized records |
-    window] (the window: the chunk's own tokens and the tail before it, in float16) under a
-    per-token mask. So a token's attention does not depend on how the prompt was chunked, nor
-    on whether it came in a chunk or in decode; a prefix restored from the prefix cache (records
-    made by any of them) continues exactly as the row that made it would have. ``sink_*`` and
-    ``rec_*`` [1, H, n, D] are the row's history in the attention dtype (``rec_*`` None: no
-    records yet)."""
+    So a token's attention does not depend on how the prompt was chunked, nor on whether it came
+    in a chunk or in decode; a prefix restored from the prefix cache (records made by any of them)
+    continues exactly as the row that made it would have. ``sink_*`` and ``rec_*`` [1, H, n, D]
+    are the row's history in the attention dtype (``rec_*`` None: no records yet; they include the
+    tiles this chunk committed); ``chunk.window_*`` the tail before the chunk and the chunk's own
+    tokens in float16.
+
+    The chunk is cut at tiles, so every piece is one fused SDPA with MLX's causal mask (no array
+    mask, which MLX's GPU backends answer with an unfused attention over the whole score matrix):
+
+        tile t of the sequence (positions tG .. tG + G - 1; t = 0 is the sink):
+          its tokens but the last   keys [sink | records of tiles < t | its float16 tokens]
+                                    = positions 0 .. p, a key's index is its position: causal
+          its last token            keys [sink | records of tiles <= t] (its own tile committed
+                                    once it is in): all of them, no mask
+    """
     dtype = sink_k.dtype
-    L = queries.shape[2]
-    sink_len = sink_k.shape[2]
-    parts_k, parts_v = [sink_k], [sink_v]
-    kinds = [mx.zeros((sink_len,), mx.int32)]
-    positions = [mx.arange(sink_len)]
-    if rec_k is not None:
-        parts_k.append(rec_k)
-        parts_v.append(rec_v)
-        kinds.append(mx.ones((rec_k.shape[2],), mx.int32))
-        positions.append(G + mx.arange(rec_k.shape[2]))
-    if chunk.window_k is not None:
-        parts_k.append(chunk.window_k.astype(dtype))
-        parts_v.append(chunk.window_v.astype(dtype))
-        kinds.append(mx.full((chunk.window_k.shape[2],), 2, mx.int32))
-        positions.append(chunk.window_start + mx.arange(chunk.window_k.shape[2]))
-    kind, kpos = mx.concatenate(kinds)[None], mx.concatenate(positions)[None]
-    qpos = (chunk.start + mx.arange(L))[:, None]
-    committed = ((qpos + 1) // G) * G  # tokens before this are in records once the query is in
-    mask = (((kind == 0) & (kpos <= qpos)) | ((kind == 1) & (kpos < committed))
-            | ((kind == 2) & (kpos >= committed) & (kpos <= qpos)))
+    start, end = chunk.start, chunk.start + queries.shape[2]
     q = rotate(queries.astype(mx.float32)).astype(queries.dtype)
-    out = mx.fast.scaled_dot_product_attention(q, mx.concatenate(parts_k, axis=2).astype(q.dtype),
-                                               mx.concatenate(parts_v, axis=2).astype(q.dtype), scale=scale,
-                                               mask=mask)
+    pieces = []
+
+    def attend(lo: int, hi: int, keys: mx.array, values: mx.array, mask: str | None) -> None:
+        pieces.append(mx.fast.scaled_dot_product_attention(q[:, :, lo - start: hi - start], keys.astype(q.dtype),
+                                                           values.astype(q.dtype), scale=scale, mask=mask))
+
+    p = start
+    while p < end:
+        t = p // G
+        if t == 0:  # the sink's own tokens: the sink up to each (float16), causal
+            hi = min(G, end)
+            attend(p, hi, sink_k[..., :hi, :], sink_v[..., :hi, :], "causal" if hi - p > 1 else None)
+            p = hi
+            continue
+        last = (t + 1) * G - 1
+        hi = min(last, end)
+        if p < hi:
+            w0, w1 = t * G - chunk.window_start, hi - chunk.window_start
+            parts_k, parts_v = [sink_k], [sink_v]
+            if t > 1:
+                parts_k.append(rec_k[..., : (t - 1) * G, :])
+                parts_v.append(rec_v[..., : (t - 1) * G, :])
+            parts_k.append(chunk.window_k[..., w0: w1, :].astype(dtype))
+            parts_v.append(chunk.window_v[..., w0: w1, :].astype(dtype))
+            attend(p, hi, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2),
+                   "causal" if hi - p > 1 else None)
+        if hi == last and last < end:  # the tile's last token sees it as a record
+            keys = mx.concatenate([sink_k, rec_k[..., : t * G, :]], axis=2)
+            values = mx.concatenate([sink_v, rec_v[..., : t * G, :]], axis=2)
+            attend(last, last + 1, keys, values, None)
+            hi = last + 1
+        p = hi
+    out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
 
 

@@ -33,11 +33,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from metal.commit_source import HEADER, SOURCE
+from metal.paged_decode import minify
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_TILE_SIZES = (64, 128)
-DEFAULT_ROWS = 8  # rows a thread holds: 512 threads a block at G = W = 128
+DEFAULT_ROWS = 4  # rows a thread holds: 1,024 threads a block at G = W = 128 (H200, 32 tiles of one layer:
+                  # 0.40 ms against 0.51 at 8 rows; 1 tile: 0.056 against 0.063 ms; bench/commit_cost.py)
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
 INPUTS = ["keys", "values", "bits"]
 
@@ -95,12 +97,14 @@ def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: i
 
 
 _KERNELS: dict[int, object] = {}
+KERNEL_TEXT = (minify(HEADER), minify(SOURCE))  # what is compiled: MLX rehashes the text at every call
 
 
 def _kernel(smem: int):
     if smem not in _KERNELS:
         _KERNELS[smem] = mx.fast.cuda_kernel(name=f"kvarn_commit_{smem}", input_names=INPUTS,
-                                             output_names=list(RECORD_FIELDS), source=SOURCE, header=HEADER,
+                                             output_names=list(RECORD_FIELDS), source=KERNEL_TEXT[1],
+                                             header=KERNEL_TEXT[0],
                                              shared_memory=smem)
     return _KERNELS[smem]
 

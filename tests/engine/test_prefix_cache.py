@@ -87,21 +87,38 @@ def test_a_repeated_prompt_restores_all_but_its_last_block_and_answers_the_same(
     assert cached == 512
 
 
+# KVarN: a turn's generated tokens were computed one at a time in decode, the run without the
+# cache recomputes them in a prefill chunk; the projections of a [1, n] and a [512, n] matmul round
+# differently (~1e-7), which flips a 2-bit value code now and then, and one flip moves a logprob
+# by up to ~0.1 (measured 0.07 in this scenario). Greedy tokens then agree up to a near-tie: a
+# top-2 gap under twice that (two logprobs each that far off; measured: a gap of 0.058 flipped).
+MULTI_TURN_LOGPROB_TOL = 0.15
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "kvarn"])
 def test_multi_turn_reuses_the_previous_prompt_and_its_generated_blocks(loaded, ids, references, scheme):
+    """Turn 2 restores turn 1's prompt and the whole blocks of its answer, turn 3 turn 2's. fp16:
+    token for token the run without the cache. KVarN: the same up to the rounding above (its
+    logprobs within MULTI_TURN_LOGPROB_TOL, a divergence only at a near-tie)."""
     engine = cached_engine(loaded, scheme)
     turn1 = ids[:600]
     answer, _ = run(engine, turn1, max_tokens=100)
     # fed tokens: 600 + 99 -> 5 whole blocks; block 4 (tokens 512..639) mixes prompt and answer
     turn2 = turn1 + answer + ids[1000:1200]
-    want, _ = run(references[scheme], turn2, max_tokens=24)
-    got, cached = run(engine, turn2, max_tokens=24)
-    assert cached == 640 and got == want
+    want, got = run_lp(references[scheme], turn2, max_tokens=24), run_lp(engine, turn2, max_tokens=24)
+    assert got[2] == 640
+    if scheme == "fp16":
+        assert got[0] == want[0]
+    else:
+        assert_same_up_to_rounding(got, want, MULTI_TURN_LOGPROB_TOL, 2 * MULTI_TURN_LOGPROB_TOL)
     # the third turn reuses the second's prompt and answer
-    turn3 = turn2 + got + ids[1300:1400]
-    want3, _ = run(references[scheme], turn3, max_tokens=8)
-    got3, cached3 = run(engine, turn3, max_tokens=8)
-    assert cached3 == (len(turn2) + 24 - 1) // G * G and got3 == want3
+    turn3 = turn2 + got[0] + ids[1300:1400]
+    want3, got3 = run_lp(references[scheme], turn3, max_tokens=8), run_lp(engine, turn3, max_tokens=8)
+    assert got3[2] == (len(turn2) + 24 - 1) // G * G
+    if scheme == "fp16":
+        assert got3[0] == want3[0]
+    else:
+        assert_same_up_to_rounding(got3, want3, MULTI_TURN_LOGPROB_TOL, 2 * MULTI_TURN_LOGPROB_TOL)
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "kvarn"])
@@ -444,10 +461,11 @@ LOGPROB_TOL = {"fp16": 1e-4, "kvarn": 0.025}
 NEAR_TIE = 0.05  # a top-2 logprob gap under this may legitimately resolve differently
 
 
-def run_lp(engine, prompt, snapshot_at: tuple[int, ...] = ()):
+def run_lp(engine, prompt, snapshot_at: tuple[int, ...] = (), max_tokens: int = 16):
     """(tokens, logprob entries, cached tokens) of a greedy request with top-2 logprobs."""
     rid = f"lp{random.random()}"
-    request = Request(RequestId(rid), list(prompt), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+    request = Request(RequestId(rid), list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                    ignore_eos=True,
                                                                     logprobs=True, top_logprobs=2),
                       snapshot_at=snapshot_at)
     engine.add_request(request)
@@ -460,9 +478,9 @@ def run_lp(engine, prompt, snapshot_at: tuple[int, ...] = ()):
     return list(request.output_ids), entries, cached
 
 
-def assert_same_up_to_rounding(got, want, tol: float) -> None:
-    """Greedy tokens equal, or equal up to a near-tie of the run without cache; the logprobs
-    of the tokens before it within ``tol``."""
+def assert_same_up_to_rounding(got, want, tol: float, near_tie: float = NEAR_TIE) -> None:
+    """Greedy tokens equal, or equal up to a near-tie (top-2 gap under ``near_tie``) of the run
+    without cache; the logprobs of the tokens before it within ``tol``."""
     (tokens, entries, _), (want_tokens, want_entries, _) = got, want
     diverged = next((k for k, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), None)
     upto = len(tokens) if diverged is None else diverged
@@ -470,7 +488,7 @@ def assert_same_up_to_rounding(got, want, tol: float) -> None:
         assert abs(a.logprob - b.logprob) < tol
     if diverged is not None:
         top = want_entries[diverged].top
-        assert top[0][1] - top[1][1] < NEAR_TIE, (diverged, top)
+        assert top[0][1] - top[1][1] < near_tie, (diverged, top)
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])

@@ -164,7 +164,7 @@ def emulated_quantize_tiles(keys: mx.array, values: mx.array, kb: int, vb: int, 
     ins = [np.ascontiguousarray(np.array(a)) for a in call.inputs]
     outs = [np.full(shape, 0xDEADBEEF if dtype == mx.uint32 else np.nan, np_dtype[dtype])
             for shape, dtype in zip(call.output_shapes, call.output_dtypes)]
-    lib = cuda_emulator.build("kvarn_commit", C.HEADER, C.SOURCE,
+    lib = cuda_emulator.build("kvarn_commit", *C.KERNEL_TEXT,  # the minified text MLX compiles
                               [(name, a.dtype) for name, a in zip(C.INPUTS, ins)],
                               [(name, o.dtype) for name, o in zip(RECORD_FIELDS, outs)], call.template)
     blocks = tuple(g // t for g, t in zip(call.grid, call.threadgroup))
