@@ -2,6 +2,7 @@
 # One device session on the lent H200, in two calls made back to back (the machine stays warm):
 #   bash bench/device_session.sh checks   # GPU tests of the kernels and the pool, commit cost, greedy tokens
 #   bash bench/device_session.sh engine   # the 8B-shaped engine benchmark and the prefix cache
+#   bash bench/device_session.sh prefill  # (a later session) the view's GPU tests, the engine at c = 1 and 32
 # Each step has its own time limit; logs and JSON land in $OUT (fetched back by the device tool).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,5 +30,10 @@ case "${1:-}" in
     TAIL=8 step apc 100 python3 bench/device_apc.py --out "$OUT/device-apc-h200.json" --arms kvarn-k4v2,fp16 \
       --prompts 2 --repeats 3
     ;;
-  *) echo "usage: $0 checks|engine" >&2; exit 2 ;;
+  prefill)  # after the tile-cut prefill attention: GPU correctness of the view, then the engine again
+    step view-tests 60 python3 -m pytest -q -x -p no:cacheprovider tests/kvarn/test_attention.py tests/kvarn/test_paged.py
+    step engine 250 python3 bench/device_engine.py --out "$OUT/device-engine-h200-prefill.json" \
+      --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency 1,32 --mlxlm stacked --time-budget 230
+    ;;
+  *) echo "usage: $0 checks|engine|prefill" >&2; exit 2 ;;
 esac
