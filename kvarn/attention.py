@@ -21,7 +21,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvarn.batch import BatchRows, batch_attention
 from kvarn.cache import Chunk, KVarNKVCache
 from kvarn.paged import PagedLayer
-from kvarn.paged_batch import PagedBatch, paged_attention
+from kvarn.paged_batch import PagedBatch, paged_attention, reads_codes_directly
 from kvarn.slots import SlotBatch, attends_per_row, per_row_attention
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
@@ -107,9 +107,9 @@ def decode_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx
 
 def decode_uses_quantized_matmul() -> bool:
     """MLX's CUDA backend has no ``quantized_matmul`` kernel for some transpose=False shapes the
-    value path needs (2-bit, few rows): there, decode uses the dequantized path (same values to
-    float16 noise) until the fused kernels of ``metal/`` land."""
-    return mx.default_device() == mx.cpu or mx.metal.is_available()
+    value path needs (2-bit, few rows): there, a single-stream cache's decode uses the dequantized
+    path (same values to float16 noise); paged rows run the fused kernels of ``metal/``."""
+    return reads_codes_directly()
 
 
 def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.array:
