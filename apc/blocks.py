@@ -54,16 +54,24 @@ def from_parts(parts: Sequence[Part]) -> tuple[str, tuple[mx.array, ...]]:
 
 
 def payload_from_parts(parts: Sequence[Part]) -> Payload:
+    kind, host, meta = host_arrays(parts)
+    arrays = [mx.array(a).view(mx.bfloat16) if bf16 else mx.array(a) for a, bf16 in host]
+    return Payload(kind, tuple(arrays), meta)
+
+
+def host_arrays(parts: Sequence[Part]) -> tuple[str, list[tuple[np.ndarray, bool]], str]:
+    """(kind, [(NumPy array, whether its 16-bit patterns are bfloat16)], meta) of a block's parts,
+    without making MLX arrays (a caller that stacks many blocks makes one array per field)."""
     kind = parts[0].name.split(".", 1)[0]
     arrays, meta = [], ""
     for p in parts:
         if p.name.endswith(".meta"):
             meta = p.data.decode()
         elif p.dtype == _BFLOAT16:
-            arrays.append(mx.array(np.frombuffer(p.data, dtype="<u2").reshape(p.shape)).view(mx.bfloat16))
+            arrays.append((np.frombuffer(p.data, dtype="<u2").reshape(p.shape), True))
         else:
-            arrays.append(mx.array(np.frombuffer(p.data, dtype=np.dtype(p.dtype)).reshape(p.shape)))
-    return Payload(kind, tuple(arrays), meta)
+            arrays.append((np.frombuffer(p.data, dtype=np.dtype(p.dtype)).reshape(p.shape), False))
+    return kind, arrays, meta
 
 
 def payload_to_parts(payload: Payload) -> list[Part]:

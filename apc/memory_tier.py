@@ -119,9 +119,18 @@ class MemoryTier:
         self.stats.inserted += 1
         return True
 
-    def load(self, block: BlockKey, parent: BlockKey | None, parts: Sequence[Part]) -> bool:
-        """Cache a block read from disk."""
-        return self.insert(block, parent, payload_from_parts(parts))
+    def load(self, parent: BlockKey | None, blocks: Sequence[tuple[BlockKey, Sequence[Part]]]) -> int:
+        """Cache blocks read from disk (a chain's continuation after ``parent``), in order, up to
+        the first that cannot be; returns how many are cached."""
+        for count, (block, parts) in enumerate(blocks):
+            try:
+                payload = payload_from_parts(parts)
+            except (ValueError, TypeError):  # parts that passed the checksum but do not decode
+                return count
+            if not self.insert(block, parent, payload):
+                return count
+            parent = block
+        return len(blocks)
 
     @staticmethod
     def parts(payload: Payload) -> list[Part]:

@@ -127,16 +127,12 @@ class PrefixCache:
 
     def _load_blocks(self, start: bytes, parent: BlockKey | None, found: list[tuple[BlockKey, list[Part]]]) -> None:
         self._reading.discard(start)
-        for block, parts in found:
-            try:
-                loaded = self.memory.load(block, parent, parts)
-            except (ValueError, TypeError) as exc:  # parts that passed the checksum but do not decode
-                logger.warning("prefix cache: undecodable block %s (%s)", block.hex, exc)
-                return
-            if not loaded:
-                return
-            self._from_disk.add(block.key)
-            parent = block
+        try:
+            loaded = self.memory.load(parent, found)
+        except (ValueError, TypeError) as exc:  # parts that passed the checksum but do not decode
+            logger.warning("prefix cache: undecodable blocks after %s (%s)", parent.hex if parent else "the root", exc)
+            return
+        self._from_disk.update(block.key for block, _ in found[:loaded])
 
     def record(self, query_tokens: int, keys: Sequence[BlockKey]) -> None:
         """Count one request's lookup and the hit it took (blocks loaded from disk for it count

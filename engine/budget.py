@@ -12,10 +12,11 @@ the room. Two accountings behind the same calls:
   so what rows hold is counted from the pool, each block once: the blocks held now, plus per
   running request its window and the blocks it may still commit up to ``T``:
 
-      committed = held blocks x B  +  sum over requests (window + (records(T) - records held) x B)
-                  + the transient of every request still prefilling
+      committed = held blocks x B (+ pinned sinks)  +  sum over requests (window + (records(T)
+                  - records held) x B)  + the transient of every request still prefilling
 
-  A prefix hit's blocks are held (pinned) from the lookup on, so a request's cost leaves them out;
+  A prefix hit's blocks are held (pinned) from the lookup on, so a request's cost leaves them out
+  (its cached sink too, until the row has copied it into its window);
   ``n > 1`` choices share their prompt's records. This is exact: a running request can always
   commit its next tile, because its blocks were counted before it was admitted.
 """
@@ -58,15 +59,16 @@ class StaticBudget:
 class PoolBudget(StaticBudget):
     """KVarN rows in the block pool: shared blocks counted once (module docstring).
 
-    ``held_blocks()``: record blocks the pool holds (count > 0); ``row_records(request_id)``:
-    how many records a request's row holds (None before its row exists)."""
+    ``held_bytes()``: what the pool's record blocks held by rows and cached sinks pinned by hits
+    (count > 0) take, each once; ``row_records(request_id)``: how many records a request's row holds (None
+    before its row exists)."""
 
-    def __init__(self, pricing: Pricing, budget_bytes: int | None, held_blocks: Callable[[], int],
+    def __init__(self, pricing: Pricing, budget_bytes: int | None, held_bytes: Callable[[], int],
                  row_records: Callable[[RequestId], int | None]) -> None:
         super().__init__(lambda request, n: pricing.reservation(request.num_prompt_tokens, request.params.max_tokens, n),
                          budget_bytes)
         self.pricing = pricing
-        self.held_blocks = held_blocks
+        self.held_bytes = held_bytes
         self.row_records = row_records
         self.block_bytes = pricing.block_bytes()
         self.window_bytes = pricing.window_bytes()
@@ -94,4 +96,4 @@ class PoolBudget(StaticBudget):
         return self.window_bytes + records * self.block_bytes
 
     def shared(self) -> int:
-        return self.held_blocks() * self.block_bytes
+        return self.held_bytes()

@@ -151,12 +151,13 @@ class Engine:
         self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity)
         pool = self.runner.store.pool
         if pool is not None:  # KVarN rows in the block pool: shared blocks counted once
-            budget: StaticBudget = PoolBudget(self.pricing, config.kv_budget_bytes, lambda: pool.records.num_held,
-                                              self.runner.row_records)
+            block, sink = self.pricing.block_bytes(), self.pricing.window_bytes() // getattr(mx, layout.window_dtype).size
+            budget: StaticBudget = PoolBudget(
+                self.pricing, config.kv_budget_bytes,
+                lambda: pool.records.num_held * block + pool.sinks.num_held * sink, self.runner.row_records)
             if config.kv_budget_bytes is not None:  # the pool never needs more ids than the budget pays for
                 pool.max_blocks["records"] = config.kv_budget_bytes // max(self.pricing.block_bytes(), 1) + 1
-                sink_bytes = self.pricing.window_bytes() // getattr(mx, layout.window_dtype).size  # float16 sink
-                pool.max_blocks["sinks"] = config.kv_budget_bytes // max(sink_bytes, 1) + 1
+                pool.max_blocks["sinks"] = config.kv_budget_bytes // max(sink, 1) + 1  # float16 sink copies
         else:
             budget = StaticBudget(self._price, config.kv_budget_bytes)
         self.scheduler = Scheduler(config, budget)

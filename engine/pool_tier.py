@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from apc.blocks import payload_from_parts, to_parts
+from apc.blocks import host_arrays, to_parts
 from apc.disk_tier import Part
 from apc.hashing import BlockKey
 from apc.memory_tier import TierStats
@@ -102,44 +103,76 @@ class PoolTier:
                 return False
             sink = self.pool.save_sink(item.row.slot)
             self.pool.sinks.set_hash(sink, block.key, block.tokens)
-            self.pool.sinks.decref([sink])
+            self.pool.sinks.decref([sink])  # the cache's alone; the row touches it when it ends
+            item.row.sink = (sink, block.key)
         elif not self.pool.records.set_hash(item, block.key, block.tokens):
             self.counters.refused += 1
             return False
         self.counters.inserted += 1
         return True
 
-    def load(self, block: BlockKey, parent: BlockKey | None, parts: Sequence[Part]) -> bool:
-        """Cache a block read from disk: written into a free pool block (if the budget has room)."""
-        if block.key in self:
-            return True
-        payload = payload_from_parts(parts)
-        kind = "sink" if block.index == 0 else "record"
-        width = _WIDTH[kind]
-        if payload.kind != kind or len(payload.arrays) != width * len(self.pool.layers):
-            raise ValueError(f"a {payload.kind} payload of {len(payload.arrays)} arrays for a {kind} block")
-        layers = [payload.arrays[l * width: (l + 1) * width] for l in range(len(self.pool.layers))]
-        for l, arrays in enumerate(layers):  # a fresh process learns the layers' shapes from the block
-            _, H, _, D = arrays[0].shape if kind == "sink" else (None, *_heads_dims(arrays))
+    def load(self, parent: BlockKey | None, blocks: Sequence[tuple[BlockKey, Sequence[Part]]]) -> int:
+        """Cache blocks read from disk (a chain's continuation after ``parent``): written into free
+        pool blocks, all of them at once (one host-to-device copy and one scatter per record field
+        and layer, however many blocks), as many as the budget has room for, in order, up to the
+        first block that does not decode. Returns how many are cached."""
+        L = len(self.pool.layers)
+        sink, records = None, []
+        for block, parts in blocks:  # decoded on the host first: nothing is written for a bad block
+            if block.key in self:
+                break
+            try:
+                kind, host, _ = host_arrays(parts)
+                want = "sink" if block.index == 0 else "record"
+                if kind != want or len(host) != _WIDTH[want] * L or any(bf16 for _, bf16 in host):
+                    raise ValueError(f"a {kind} payload of {len(host)} arrays for a {want} block")
+            except (ValueError, TypeError):
+                break
+            arrays = [a for a, _ in host]
+            if want == "sink":
+                sink = (block, arrays)
+            else:
+                records.append((block, arrays))
+        if not (sink or records) or (parent is not None and parent.key not in self):
+            return 0
+        self._learn_shapes(sink[1] if sink else None, records[0][1] if records else None)
+        need = (self.pool.sink_bytes() if sink else 0) + len(records) * self.pool.block_bytes()
+        while need and not self._room_for(need):  # as many as fit, in chain order
+            if not records:
+                return 0
+            records.pop()
+            need -= self.pool.block_bytes()
+        count, sid = 0, None
+        if sink is not None:
+            block, arrays = sink
+            sid = self.pool.allocate("sinks", 1)[0]
+            for l in range(L):
+                self.pool.write_sink(l, sid, mx.array(arrays[2 * l]), mx.array(arrays[2 * l + 1]))
+            self.pool.sinks.set_hash(sid, block.key, block.tokens)
+            count = 1
+        if records:
+            ids = self.pool.allocate("records", len(records))
+            for l in range(L):
+                joined = [np.concatenate([arrays[8 * l + j] for _, arrays in records]) for j in range(8)]
+                self.pool.write_records(l, ids, block_major([mx.array(x) for x in joined]))
+            for rid, (block, _) in zip(ids, records):
+                self.pool.records.set_hash(rid, block.key, block.tokens)
+            self.pool.records.decref(ids)  # released last-first, like a row's: a chain's tail is evicted first
+            count += len(records)
+        if sid is not None:  # and its head (the sink) last
+            self.pool.sinks.decref([sid])
+        self.counters.inserted += count
+        return count
+
+    def _learn_shapes(self, sink: list | None, record: list | None) -> None:
+        """A fresh process learns each layer's (heads, head_dim) from a block read from disk."""
+        for l in range(len(self.pool.layers)):
+            if sink is not None:
+                _, H, _, D = sink[2 * l].shape
+            else:
+                _, H, S, W, _ = record[8 * l].shape
+                D = S * W
             self.pool.ensure_layer(l, H, D)
-        need = self.pool.sink_bytes() if kind == "sink" else self.pool.block_bytes()
-        if (parent is not None and parent.key not in self) or not self._room_for(need):
-            self.counters.refused += 1
-            return False
-        if kind == "sink":
-            sink = self.pool.allocate("sinks", 1)[0]
-            for l, (keys, values) in enumerate(layers):
-                self.pool.write_sink(l, sink, keys, values)
-            self.pool.sinks.set_hash(sink, block.key, block.tokens)
-            self.pool.sinks.decref([sink])
-        else:
-            record = self.pool.allocate("records", 1)[0]
-            for l, arrays in enumerate(layers):
-                self.pool.write_records(l, [record], {n: x[None] for n, x in block_major(arrays).items()})
-            self.pool.records.set_hash(record, block.key, block.tokens)
-            self.pool.records.decref([record])
-        self.counters.inserted += 1
-        return True
 
     def parts(self, item: Any) -> list[Part]:
         """A block's disk payload, read out of the pool."""
@@ -173,13 +206,15 @@ class PoolTier:
 
     def adopt(self, hit: PoolHit, row: PagedRow) -> None:
         """An empty row takes a pinned hit: its table the record blocks (their pins become the
-        row's references), its window a copy of the sink."""
+        row's references), its window a copy of the sink (whose pin is let go: the row touches it
+        in the cache's LRU order when it ends, after its records)."""
         if not hit.pinned or row.table or any(view.offset for view in row.layers.values()):
             raise ValueError("a hit is adopted once, by an empty row")
         G = self.pool.layout.tile_size
         self.pool.load_sink(hit.sink, row.slot)
+        row.sink = (hit.sink, self.pool.sinks.hash_of[hit.sink])
         self.pool.sinks.decref([hit.sink])
-        row.table = list(hit.records)
+        row.table = list(hit.records)  # the records' pins become the row's references
         hit.pinned = False
         for view in row.layers.values():
             view.offset, view.num_tiles, view.tail_len = (1 + len(hit.records)) * G, len(hit.records), 0
@@ -220,9 +255,3 @@ class PoolTier:
         self.pool.sinks.drop_hashes()
         return released
 
-
-def _heads_dims(arrays: Sequence[mx.array]) -> tuple[int, int, int]:
-    """(H, G, D) of a record block in the single-tile layout (k_codes [1, H, S, W, G*bits/32])."""
-    _, H, S, W, _ = arrays[0].shape
-    _, _, _, G = arrays[3].shape  # k_r [1, H, S, G]
-    return H, G, S * W

@@ -41,6 +41,7 @@ class PagedRow:
         pool.rows_made += 1
         self.serial = pool.rows_made
         self.table: list[int] = []
+        self.sink: tuple[int, object] | None = None  # (id, key) of the cached copy of its sink, if any
         self.slot = pool.allocate("windows", 1)[0]
         pool.window_rows[self.slot] = self
         self.released = False
@@ -66,6 +67,7 @@ class PagedRow:
         child = PagedRow(pool, self.layers)
         child.table = list(self.table)
         pool.records.incref(child.table)
+        child.sink = self.sink
         for l, view in self.layers.items():
             if pool.shapes[l] is not None:
                 a = pool.layers[l]
@@ -80,6 +82,8 @@ class PagedRow:
             return
         self.released = True
         self.pool.records.decref(self.table)
+        if self.sink is not None:  # after its records: the chain's head is the last of it evicted
+            self.pool.sinks.touch(*self.sink)
         self.pool.windows.decref([self.slot])
         del self.pool.window_rows[self.slot]
         self.table = []
@@ -109,10 +113,11 @@ def single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
 
 
 def block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
-    """The inverse of ``single_tile`` for one block."""
+    """The inverse of ``single_tile``, for n blocks: their single-tile arrays concatenated along
+    the first axis -> block-major fields [n, ...]."""
     k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c = arrays
-    return {"k_codes": k_codes[0], "k_alpha": k_alpha[0, ..., 0], "k_beta": k_beta[0, ..., 0], "k_r": k_r[0],
-            "v_codes": v_codes[0, :, 0], "v_alpha": v_alpha[0, :, 0], "v_beta": v_beta[0, :, 0], "v_c": v_c[0, :, 0]}
+    return {"k_codes": k_codes, "k_alpha": k_alpha[..., 0], "k_beta": k_beta[..., 0], "k_r": k_r,
+            "v_codes": v_codes[:, :, 0], "v_alpha": v_alpha[:, :, 0], "v_beta": v_beta[:, :, 0], "v_c": v_c[:, :, 0]}
 
 
 class PagedLayer(KVarNRowProtocol):

@@ -146,6 +146,12 @@ class BlockAllocator:
         """The block with this hash, if it still exists (held or cached); not counted."""
         return self.by_hash.get(key)
 
+    def touch(self, block: int, key: Hashable) -> None:
+        """A cached block that still has ``key`` becomes the most recently released."""
+        if block in self.cached and self.hash_of.get(block) == key:
+            self.cached[block] = self._clock()
+            self.cached.move_to_end(block)
+
     def oldest_cached(self) -> tuple[int, int] | None:
         """(release tick, id) of the least recently released cached block."""
         if not self.cached:
@@ -426,8 +432,10 @@ class KVarNPool:
         return sum(4 * H * G * D * self.window_dtype.size for H, D in filter(None, self.shapes))
 
     def held_bytes(self) -> int:
-        """What rows hold: their windows and the record blocks held (each once, however shared)."""
-        return self.windows.num_held * self.window_bytes() + self.records.num_held * self.block_bytes()
+        """What rows hold: their windows, the record blocks held (each once, however shared) and
+        cached sinks pinned for a prefix hit."""
+        return (self.windows.num_held * self.window_bytes() + self.records.num_held * self.block_bytes()
+                + self.sinks.num_held * self.sink_bytes())
 
     def cached_bytes(self) -> int:
         """Bytes of the blocks and sinks that only the prefix cache keeps (count 0, hashed)."""

@@ -21,7 +21,7 @@ def req(name: str, prompt: int, max_tokens: int, cached: int = 0) -> Request:
 
 def pool_budget(held: int = 0, rows: dict | None = None) -> PoolBudget:
     rows = rows or {}
-    return PoolBudget(PRICING, 10**9, lambda: held, rows.get)
+    return PoolBudget(PRICING, 10**9, lambda: held * B, rows.get)
 
 
 def test_pricing_splits_a_sequence_into_its_window_and_record_blocks():

@@ -61,10 +61,11 @@ def test_caching_hashes_the_rows_own_blocks_and_copies_the_sink_once():
     chain = cache_row(tier, row, 5, list(range(1000)))
     assert pool.records.capacity == capacity and pool.records.num_held == held == 4  # nothing copied
     assert [pool.records.lookup(k.key) for k in chain[1:]] == row.table and len(tier) == 5
-    # the row still holds every record; the sink copy is the cache's alone
-    assert pool.sinks.num_cached == 1 and tier.nbytes == pool.sink_bytes()
-    row.release()
+    # the row holds every record; the sink's copy is the cache's alone
+    assert pool.sinks.num_cached == 1 and row.sink is not None and tier.nbytes == pool.sink_bytes()
+    row.release()  # its records released last-first, then the sink touched: the chain's head is evicted last
     assert tier.nbytes == 4 * pool.block_bytes() + pool.sink_bytes()
+    assert pool.sinks.oldest_cached()[0] > max(tick for tick in pool.records.cached.values())
     assert tier.lookup(chain) == [pool.sinks.lookup(chain[0].key)] + [pool.records.lookup(k.key) for k in chain[1:]]
     other = block_keys(list(range(64)) + [7] * 64, G, root_key("stamp", "model"))
     assert len(tier.lookup(other)) == 1  # diverges in block 1
@@ -81,6 +82,7 @@ def test_a_hit_is_adopted_without_new_record_bytes_and_continues_like_the_row_th
     row = PagedRow(pool, range(LAYERS))
     tier.adopt(hit, row)
     assert row.table == source.table and pool.records.refs[row.table[0]] == 2
+    assert row.sink == source.sink and pool.sinks.refs[row.sink[0]] == 0  # the sink was copied, its pin let go
     assert pool.records.capacity == capacity and pool.records.num_held == held  # shared, not copied
     with pytest.raises(ValueError):
         tier.adopt(hit, PagedRow(pool, range(LAYERS)))  # a hit is adopted once
@@ -97,7 +99,7 @@ def test_a_hit_is_adopted_without_new_record_bytes_and_continues_like_the_row_th
         assert view.num_tiles == cache.records.num_tiles == 4 and view.tail_len == cache.tail_len
     source.release()
     row.release()
-    assert pool.records.num_held == 0
+    assert pool.records.num_held == pool.sinks.num_held == 0
 
 
 def test_an_unpinned_hit_goes_back_to_the_cache():
@@ -128,9 +130,10 @@ def test_disk_payloads_are_the_single_stream_block_format_and_load_into_a_fresh_
             assert part.shape == host.shape and part.data == host.tobytes()
     fresh = KVarNPool(LAYOUT, LAYERS)  # a restart: a new pool, shapes learnt from the blocks
     loaded = PoolTier(fresh)
-    for i, block_parts in enumerate(parts):
-        assert loaded.load(chain[i], chain[i - 1] if i else None, block_parts)
-    assert fresh.records.num_cached == 3 and fresh.sinks.num_cached == 1
+    assert loaded.load(chain[0], list(zip(chain[1:3], parts[1:3]))) == 0  # its parent is not cached
+    assert loaded.load(None, list(zip(chain[:4], parts))) == 4  # one copy and one scatter a field and layer
+    assert fresh.records.num_cached == 3 and fresh.sinks.num_cached == 1 and fresh.records.num_held == 0
+    assert fresh.sinks.oldest_cached()[0] > max(fresh.records.cached.values())  # the head is evicted last
     row = PagedRow(fresh, range(LAYERS))
     loaded.adopt(loaded.pin(loaded.lookup(chain)), row)
     for l in range(LAYERS):
@@ -156,7 +159,8 @@ def test_the_budget_decides_whether_a_sink_is_copied():
     row, _ = filled(pool, 2 * G)
     chain = block_keys(list(range(2 * G)), G, root_key("stamp", "model"))
     assert not tier.insert(chain[0], None, SinkOf(row)) and pool.sinks.num_held == pool.sinks.num_cached == 0
+    assert row.sink is None
     assert not tier.insert(chain[1], chain[0], row.table[0])  # its parent is not cached: unreachable
     room[0] = pool.sink_bytes()
     assert tier.insert(chain[0], None, SinkOf(row)) and tier.insert(chain[1], chain[0], row.table[0])
-    assert tier.nbytes == pool.sink_bytes()
+    assert tier.nbytes == pool.sink_bytes() and pool.held_bytes() == pool.window_bytes() + pool.block_bytes()
