@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -218,7 +219,14 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvarn").error("%s", exc)
         return 2
     logging.getLogger("kvarn").info("OpenBLAS %s", "on" if openblas_active() else "off")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except SystemExit as exc:  # uvicorn's own exit, e.g. the port is taken (it logged why)
+        if exc.code in (0, None):
+            return 0
+        logging.getLogger("kvarn").error("kvarn serve could not start on %s:%s (see the error above)",
+                                         args.host, args.port)
+        return 1
     return 0
 
 
@@ -296,5 +304,26 @@ def _kld(args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> None:
+    """The ``kvarn`` command (and ``python -m server.cli``): ``main``, then an immediate exit.
+
+    ``kvarn serve`` runs MLX on its engine thread, and MLX (0.32) can abort the process while
+    C++ static objects are destroyed at exit after it was used from a thread other than the main
+    one ("terminate called without an active exception", exit 134; ml-explore/mlx#3126). By the
+    time ``main`` returns, the server has shut down cleanly (the engine thread stopped, the prefix
+    cache's disk writes landed), so the process leaves with ``os._exit`` once the logs and
+    standard streams are flushed, skipping the static destructors."""
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse's --help and usage errors, start-up errors
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -143,3 +143,54 @@ def test_parse_arm_refuses_bad_specs(spec):
 
     with pytest.raises(ValueError):
         parse_arm(spec)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen) -> None:
+    import time
+
+    import httpx
+
+    for _ in range(240):
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("kvarn serve did not become healthy")
+
+
+def test_serve_exits_cleanly_after_serving_and_on_a_busy_port():
+    """MLX used from the engine thread used to abort the process at exit ("terminate called without
+    an active exception", 134): a server that served KVarN requests exits 0 on SIGINT, and a
+    second server on the same port exits 1 with a message, neither aborting."""
+    import signal
+
+    import httpx
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--no-apc"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_healthy(port, proc)
+        for _ in range(2):
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                           json={"model": "fixture-chat-29m-q8", "prompt": "The ls command", "max_tokens": 8})
+            assert r.status_code == 200
+        busy = kvarn("serve", "--port", str(port), "--no-apc", timeout=300)
+        assert busy.returncode == 1, busy.stdout + busy.stderr
+        assert "could not start" in busy.stderr and "terminate called" not in busy.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:]
+    assert "terminate called" not in out
