@@ -2,9 +2,11 @@
 
     DIR/<layout stamp>/<key hex>.blk     owner-only (0600 files, 0700 folders)
 
-A file is ``MAGIC | header length | JSON header | payload``; the header names the stamp, the key,
-the block's token ids, the payload's parts (name, dtype, shape, byte range) and the payload's
-BLAKE2b checksum. Files are written by a background thread (callers never wait on the disk) to a
+A file is ``MAGIC | header length | JSON header | payload | digest``: the header names the format
+version, the stamp, the key, the block's token ids and the payload's parts (name, dtype, shape,
+byte range); the digest is BLAKE2b-128 over every byte before it (magic, header and payload alike:
+a flipped bit anywhere is caught), and the header is validated field by field (types, dtypes,
+ranges, and every part's byte count equal to its shape's) before anything is trusted. Files are written by a background thread (callers never wait on the disk) to a
 temporary name and renamed into place, so a file is whole or absent. The index is rebuilt from the
 headers at start; every read checks magic, stamp, key, tokens, sizes and checksum, and a file that
 fails any check is a miss, is removed and is counted (``stats.bad_files``). Reads run on a reader
@@ -32,8 +34,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVARNAPC1\n"
+MAGIC = b"KVARNAPC2\n"  # format 2: the digest covers the whole file (format 1's only the payload)
+VERSION = 2
 SUFFIX = ".blk"
+DIGEST = 16
+DTYPES = {"|u1": 1, "<u2": 2, "<u4": 4, "<i4": 4, "<f2": 2, "<f4": 4, "bfloat16": 2}  # what parts may hold
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,10 @@ def encode(stamp: str, key: bytes, tokens: tuple[int, ...], parts: list[Part]) -
     for p in parts:
         layout.append({"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "offset": offset, "nbytes": len(p.data)})
         offset += len(p.data)
-    header = json.dumps({"stamp": stamp, "key": key.hex(), "tokens": list(tokens), "parts": layout,
-                         "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
-    return MAGIC + struct.pack("<I", len(header)) + header + payload
+    header = json.dumps({"version": VERSION, "stamp": stamp, "key": key.hex(), "tokens": list(tokens),
+                         "parts": layout}).encode()
+    body = MAGIC + struct.pack("<I", len(header)) + header + payload
+    return body + hashlib.blake2b(body, digest_size=DIGEST).digest()
 
 
 class BadFile(ValueError):
@@ -73,6 +79,8 @@ class BadFile(ValueError):
 
 
 def _header(blob: bytes) -> tuple[dict, int]:
+    """The header of a file (or its first bytes) and where the payload starts; ``BadFile`` unless
+    it is a well-formed format-2 header."""
     if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 4:
         raise BadFile("bad magic")
     (length,) = struct.unpack_from("<I", blob, len(MAGIC))
@@ -81,28 +89,45 @@ def _header(blob: bytes) -> tuple[dict, int]:
         header = json.loads(blob[start: start + length])
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadFile(f"bad header: {exc}") from exc
-    if not isinstance(header, dict):
-        raise BadFile("bad header")
+    if not (isinstance(header, dict) and header.get("version") == VERSION and isinstance(header.get("stamp"), str)
+            and isinstance(header.get("key"), str) and isinstance(header.get("tokens"), list)
+            and all(isinstance(t, int) for t in header["tokens"]) and isinstance(header.get("parts"), list)):
+        raise BadFile("bad header fields")
     return header, start + length
+
+
+def _parts(header: dict, payload: bytes) -> list[Part]:
+    parts, end = [], 0
+    for p in header["parts"]:
+        try:
+            name, dtype, shape, offset, nbytes = p["name"], p["dtype"], p["shape"], p["offset"], p["nbytes"]
+        except (KeyError, TypeError) as exc:
+            raise BadFile(f"bad part entry: {exc!r}") from exc
+        if not (isinstance(name, str) and dtype in DTYPES and isinstance(shape, list)
+                and all(isinstance(d, int) and d >= 0 for d in shape) and offset == end and isinstance(nbytes, int)):
+            raise BadFile("bad part entry")
+        size = DTYPES[dtype]
+        for d in shape:
+            size *= d
+        if size != nbytes or offset + nbytes > len(payload):
+            raise BadFile("a part's bytes do not match its shape")
+        parts.append(Part(name, dtype, tuple(shape), payload[offset: offset + nbytes]))
+        end = offset + nbytes
+    if end != len(payload):
+        raise BadFile("payload longer than its parts")
+    return parts
 
 
 def decode(blob: bytes, stamp: str, key: bytes, tokens: tuple[int, ...]) -> list[Part]:
     """The parts of a file, or ``BadFile`` if it is not exactly what was asked for, whole."""
-    header, start = _header(blob)
-    if header.get("stamp") != stamp or header.get("key") != key.hex():
-        raise BadFile("wrong stamp or key")
-    if tuple(header.get("tokens", ())) != tuple(tokens):
-        raise BadFile("other tokens")
-    payload = blob[start:]
-    if hashlib.blake2b(payload, digest_size=16).hexdigest() != header.get("checksum"):
+    if len(blob) < DIGEST or hashlib.blake2b(blob[:-DIGEST], digest_size=DIGEST).digest() != blob[-DIGEST:]:
         raise BadFile("checksum mismatch")
-    parts = []
-    for p in header["parts"]:
-        data = payload[p["offset"]: p["offset"] + p["nbytes"]]
-        if len(data) != p["nbytes"]:
-            raise BadFile("truncated part")
-        parts.append(Part(p["name"], p["dtype"], tuple(p["shape"]), data))
-    return parts
+    header, start = _header(blob)
+    if header["stamp"] != stamp or header["key"] != key.hex():
+        raise BadFile("wrong stamp or key")
+    if tuple(header["tokens"]) != tuple(tokens):
+        raise BadFile("other tokens")
+    return _parts(header, blob[start: len(blob) - DIGEST])
 
 
 @dataclass
@@ -138,7 +163,9 @@ class DiskTier:
                 key = bytes.fromhex(path.stem)
                 stat = path.stat()
                 with path.open("rb") as f:
-                    header, _ = _header(f.read(64 * 1024))
+                    head = f.read(len(MAGIC) + 4)
+                    length = struct.unpack_from("<I", head, len(MAGIC))[0] if len(head) == len(MAGIC) + 4 else 0
+                    header, _ = _header(head + f.read(length))
                 if header.get("key") != path.stem or header.get("stamp") != self.stamp:
                     raise BadFile("header does not match its name")
             except (OSError, ValueError):
@@ -176,6 +203,12 @@ class DiskTier:
                 self._index[key] = (self._index[key][0], _touch(path))
         self.stats.hits += 1
         return parts
+
+    def discard_bad(self, key: bytes) -> None:
+        """A file that verified but whose block could not be used (it does not fit the layout):
+        removed and counted like a damaged one."""
+        logger.warning("prefix cache: block file %s does not fit this layout: removed", key.hex())
+        self._remove_bad(self._path(key), key)
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` (reads, through ``get``) on the reader thread, in submission order."""

@@ -119,18 +119,20 @@ class MemoryTier:
         self.stats.inserted += 1
         return True
 
-    def load(self, parent: BlockKey | None, blocks: Sequence[tuple[BlockKey, Sequence[Part]]]) -> int:
+    def load(self, parent: BlockKey | None,
+             blocks: Sequence[tuple[BlockKey, Sequence[Part]]]) -> tuple[int, bytes | None]:
         """Cache blocks read from disk (a chain's continuation after ``parent``), in order, up to
-        the first that cannot be; returns how many are cached."""
+        the first that cannot be; returns how many are cached and the key of a block whose parts
+        do not make a payload (its file is then removed), if that is what stopped it."""
         for count, (block, parts) in enumerate(blocks):
             try:
                 payload = payload_from_parts(parts)
-            except (ValueError, TypeError):  # parts that passed the checksum but do not decode
-                return count
+            except (ValueError, TypeError):  # parts that verified but do not make arrays
+                return count, block.key
             if not self.insert(block, parent, payload):
-                return count
+                return count, None
             parent = block
-        return len(blocks)
+        return len(blocks), None
 
     @staticmethod
     def parts(payload: Payload) -> list[Part]:

@@ -127,11 +127,9 @@ class PrefixCache:
 
     def _load_blocks(self, start: bytes, parent: BlockKey | None, found: list[tuple[BlockKey, list[Part]]]) -> None:
         self._reading.discard(start)
-        try:
-            loaded = self.memory.load(parent, found)
-        except (ValueError, TypeError) as exc:  # parts that passed the checksum but do not decode
-            logger.warning("prefix cache: undecodable blocks after %s (%s)", parent.hex if parent else "the root", exc)
-            return
+        loaded, bad = self.memory.load(parent, found)
+        if bad is not None and self.disk is not None:  # verified, but not a block of this layout
+            self.disk.discard_bad(bad)
         self._from_disk.update(block.key for block, _ in found[:loaded])
 
     def record(self, query_tokens: int, keys: Sequence[BlockKey]) -> None:
@@ -206,8 +204,8 @@ class PrefixCache:
         tokens, key, parts = got
         try:
             payload = payload_from_parts(parts)
-        except (ValueError, TypeError) as exc:
-            logger.warning("prefix cache: undecodable snapshot (%s)", exc)
+        except (ValueError, TypeError):
+            self.disk.discard_bad(key)
             return
         if self.checkpoints.put(root, tokens, self.block_size, payload, payload.nbytes):
             self._from_disk.add(key)

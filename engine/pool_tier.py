@@ -34,7 +34,7 @@ from apc.blocks import host_arrays, to_parts
 from apc.disk_tier import Part
 from apc.hashing import BlockKey
 from apc.memory_tier import TierStats
-from kvarn.paged import PagedRow, block_major, single_tile
+from kvarn.paged import PagedRow, block_major, single_tile, single_tile_shapes
 from kvarn.pool import KVarNPool
 
 _WIDTH = {"sink": 2, "record": 8}  # arrays per layer of a block's disk payload
@@ -111,37 +111,39 @@ class PoolTier:
         self.counters.inserted += 1
         return True
 
-    def load(self, parent: BlockKey | None, blocks: Sequence[tuple[BlockKey, Sequence[Part]]]) -> int:
+    def load(self, parent: BlockKey | None,
+             blocks: Sequence[tuple[BlockKey, Sequence[Part]]]) -> tuple[int, bytes | None]:
         """Cache blocks read from disk (a chain's continuation after ``parent``): written into free
         pool blocks, all of them at once (one host-to-device copy and one scatter per record field
         and layer, however many blocks), as many as the budget has room for, in order, up to the
-        first block that does not decode. Returns how many are cached."""
+        first block that does not fit this pool's layout. Returns how many are cached and the key
+        of the block that did not fit, if one stopped it (its file is then removed)."""
         L = len(self.pool.layers)
-        sink, records = None, []
-        for block, parts in blocks:  # decoded on the host first: nothing is written for a bad block
+        sink, records, bad = None, [], None
+        for block, parts in blocks:  # checked on the host first: nothing is written for a bad block
             if block.key in self:
                 break
-            try:
-                kind, host, _ = host_arrays(parts)
-                want = "sink" if block.index == 0 else "record"
-                if kind != want or len(host) != _WIDTH[want] * L or any(bf16 for _, bf16 in host):
-                    raise ValueError(f"a {kind} payload of {len(host)} arrays for a {want} block")
-            except (ValueError, TypeError):
-                break
+            want = "sink" if block.index == 0 else "record"
+            kind, host, _ = host_arrays(parts)
             arrays = [a for a, _ in host]
+            if kind != want or len(host) != _WIDTH[want] * L or any(bf16 for _, bf16 in host) \
+                    or not self._fits(want, arrays):
+                bad = block.key
+                break
             if want == "sink":
                 sink = (block, arrays)
             else:
                 records.append((block, arrays))
         if not (sink or records) or (parent is not None and parent.key not in self):
-            return 0
+            return 0, bad
         self._learn_shapes(sink[1] if sink else None, records[0][1] if records else None)
         need = (self.pool.sink_bytes() if sink else 0) + len(records) * self.pool.block_bytes()
         while need and not self._room_for(need):  # as many as fit, in chain order
             if not records:
-                return 0
+                return 0, None
             records.pop()
             need -= self.pool.block_bytes()
+            bad = None  # what stops it now is the budget, not the block
         count, sid = 0, None
         if sink is not None:
             block, arrays = sink
@@ -162,7 +164,33 @@ class PoolTier:
         if sid is not None:  # and its head (the sink) last
             self.pool.sinks.decref([sid])
         self.counters.inserted += count
-        return count
+        return count, bad
+
+    def _fits(self, kind: str, arrays: list) -> bool:
+        """Whether a block's arrays have the shapes and dtypes this pool's layout gives a block,
+        for heads and channels that agree with the layers the pool knows."""
+        G = self.pool.layout.tile_size
+        for l in range(len(self.pool.layers)):
+            if kind == "sink":
+                k, v = arrays[2 * l: 2 * l + 2]
+                if k.ndim != 4 or k.shape != v.shape or k.shape[0] != 1 or k.shape[2] != G \
+                        or k.dtype != np.float16 or v.dtype != np.float16:
+                    return False
+                H, D = k.shape[1], k.shape[3]
+            else:
+                codes = arrays[8 * l]
+                if codes.ndim != 5:
+                    return False
+                H, D = codes.shape[1], codes.shape[2] * codes.shape[3]
+                try:
+                    want = single_tile_shapes(self.pool.layout, H, D)
+                except ValueError:  # no KVarN layout has such heads
+                    return False
+                if [(a.shape, a.dtype.name) for a in arrays[8 * l: 8 * l + 8]] != want:
+                    return False
+            if self.pool.shapes[l] not in (None, (H, D)):
+                return False
+        return True
 
     def _learn_shapes(self, sink: list | None, record: list | None) -> None:
         """A fresh process learns each layer's (heads, head_dim) from a block read from disk."""

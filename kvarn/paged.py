@@ -27,7 +27,8 @@ import mlx.core as mx
 
 from kvarn.cache import Chunk, KVarNRowProtocol
 from kvarn.layout import KVLayout
-from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks
+from kvarn.pool import (RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks,
+                        record_shapes)
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
 
@@ -110,6 +111,22 @@ def single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
     k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c = (fields[n] for n in RECORD_FIELDS)
     return (k_codes[None], k_alpha[None, ..., None], k_beta[None, ..., None], k_r[None], v_codes[None, :, None],
             v_alpha[None, :, None], v_beta[None, :, None], v_c[None, :, None])
+
+
+def single_tile_shapes(layout: KVLayout, H: int, D: int) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, NumPy dtype string) of each array ``single_tile`` gives for one block of H heads
+    of D channels (what a prefix-cache block read from disk must hold)."""
+    shapes = record_shapes(layout, H, D)
+    axes = {"k_codes": (0,), "k_alpha": (0, -1), "k_beta": (0, -1), "k_r": (0,), "v_codes": (0, 2),
+            "v_alpha": (0, 2), "v_beta": (0, 2), "v_c": (0, 2)}  # where single_tile adds unit axes
+    out = []
+    for name in RECORD_FIELDS:
+        shape, dtype = shapes[name]
+        full = list(shape)
+        for axis in axes[name]:
+            full.insert(len(full) + 1 + axis if axis < 0 else axis, 1)
+        out.append((tuple(full), "uint32" if dtype == mx.uint32 else "float16"))
+    return out
 
 
 def block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:

@@ -165,3 +165,81 @@ def test_a_failing_disk_turns_the_tier_off_with_one_warning(tmp_path, monkeypatc
     off = DiskTier(blocker, "stamp", cap_bytes=2**20)
     assert not off.enabled and off.get(keys[0].key, keys[0].tokens) is None
     off.close()
+
+
+def test_a_flip_of_any_byte_header_included_is_a_miss_removed_and_counted(tmp_path, tier):
+    """The digest covers the whole file: one flipped bit at any of ~120 positions spread over the
+    magic, the header length, the JSON header (stamp, key, tokens, dtypes, shapes, offsets), the
+    payload and the digest itself is a miss, the file is removed and counted, and nothing raises."""
+    _, blocks, keys = blocks_of_a_row(1)
+    parts = to_parts(blocks[0].kind, blocks[0].arrays)
+    tier.put(keys[0].key, keys[0].tokens, parts)
+    tier.flush()
+    path = tmp_path / "stamp" / (keys[0].hex + ".blk")
+    pristine = path.read_bytes()
+    header_end = pristine.index(b"}]}") + 3
+    positions = sorted({*range(0, 14), *range(14, header_end, max(header_end // 60, 1)), header_end - 1,
+                        *range(header_end, len(pristine), max((len(pristine) - header_end) // 40, 1)),
+                        *range(len(pristine) - 16, len(pristine))})
+    assert len(positions) > 100
+    for n, pos in enumerate(positions):
+        for bit in (0x01, 0x80):
+            blob = bytearray(pristine)
+            blob[pos] ^= bit
+            path.write_bytes(bytes(blob))
+            with tier._lock:  # as if indexed: the read must find the damage itself
+                tier._index[keys[0].key] = (len(blob), 0.0)
+            assert tier.get(keys[0].key, keys[0].tokens) is None, pos
+            assert not path.exists()
+    assert tier.stats.bad_files == 2 * len(positions)
+    path.write_bytes(pristine)
+    with tier._lock:
+        tier._index[keys[0].key] = (len(pristine), 0.0)
+    assert parts_equal(tier.get(keys[0].key, keys[0].tokens), parts)  # the intact file still reads
+
+
+def test_a_consistent_but_wrong_header_is_a_miss(tmp_path, tier):
+    """Headers are validated field by field even when the digest matches (a file written by
+    something else, or by a later format): shapes that disagree with a part's bytes, a missing
+    key, an unknown dtype, another format version, a payload longer than its parts."""
+    import hashlib
+    import json
+    import struct
+
+    from apc.disk_tier import DIGEST, MAGIC
+
+    _, blocks, keys = blocks_of_a_row(1)
+    parts = to_parts(blocks[0].kind, blocks[0].arrays)
+    tier.put(keys[0].key, keys[0].tokens, parts)
+    tier.flush()
+    path = tmp_path / "stamp" / (keys[0].hex + ".blk")
+    blob = path.read_bytes()
+    (length,) = struct.unpack_from("<I", blob, len(MAGIC))
+    start = len(MAGIC) + 4
+    header, payload = json.loads(blob[start: start + length]), blob[start + length: -DIGEST]
+
+    def rewritten(edit, extra: bytes = b"") -> bytes:
+        h = json.loads(json.dumps(header))
+        edit(h)
+        text = json.dumps(h).encode()
+        body = MAGIC + struct.pack("<I", len(text)) + text + payload + extra
+        return body + hashlib.blake2b(body, digest_size=DIGEST).digest()
+
+    edits = {
+        "reversed shape": lambda h: h["parts"][0].update(shape=h["parts"][0]["shape"][::-1] + [2]),
+        "renamed field": lambda h: h["parts"][0].update(size=h["parts"][0].pop("nbytes")),
+        "unknown dtype": lambda h: h["parts"][0].update(dtype="<f8"),
+        "other version": lambda h: h.update(version=3),
+        "no tokens": lambda h: h.pop("tokens"),
+        "overlapping parts": lambda h: h["parts"][1].update(offset=0),
+    }
+    for name, edit in edits.items():
+        path.write_bytes(rewritten(edit))
+        with tier._lock:
+            tier._index[keys[0].key] = (1, 0.0)
+        assert tier.get(keys[0].key, keys[0].tokens) is None, name
+        assert not path.exists(), name
+    path.write_bytes(rewritten(lambda h: None, extra=b"\0" * 8))  # bytes no part accounts for
+    with tier._lock:
+        tier._index[keys[0].key] = (1, 0.0)
+    assert tier.get(keys[0].key, keys[0].tokens) is None and tier.stats.bad_files == len(edits) + 1

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from apc.disk_tier import Part
 from apc.hashing import block_keys, root_key
 from engine.pool_tier import PoolTier, SinkOf
 from kvarn.cache import KVarNKVCache
@@ -130,10 +131,12 @@ def test_disk_payloads_are_the_single_stream_block_format_and_load_into_a_fresh_
             assert part.shape == host.shape and part.data == host.tobytes()
     fresh = KVarNPool(LAYOUT, LAYERS)  # a restart: a new pool, shapes learnt from the blocks
     loaded = PoolTier(fresh)
-    assert loaded.load(chain[0], list(zip(chain[1:3], parts[1:3]))) == 0  # its parent is not cached
-    assert loaded.load(None, list(zip(chain[:4], parts))) == 4  # one copy and one scatter a field and layer
-    assert fresh.records.num_cached == 3 and fresh.sinks.num_cached == 1 and fresh.records.num_held == 0
+    assert loaded.load(chain[0], list(zip(chain[1:3], parts[1:3]))) == (0, None)  # its parent is not cached
+    wrong = [Part(p.name, p.dtype, p.shape[::-1], p.data) for p in parts[2]]  # verified bytes, wrong shapes
+    assert loaded.load(None, list(zip(chain[:4], [parts[0], parts[1], wrong, parts[3]]))) == (2, chain[2].key)
     assert fresh.sinks.oldest_cached()[0] > max(fresh.records.cached.values())  # the head is evicted last
+    assert loaded.load(chain[1], list(zip(chain[2:4], parts[2:4]))) == (2, None)  # one copy, one scatter a field
+    assert fresh.records.num_cached == 3 and fresh.sinks.num_cached == 1 and fresh.records.num_held == 0
     row = PagedRow(fresh, range(LAYERS))
     loaded.adopt(loaded.pin(loaded.lookup(chain)), row)
     for l in range(LAYERS):
