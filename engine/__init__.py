@@ -3,6 +3,7 @@
 This is the public API the server may use. Importing it imports MLX.
 """
 
+from engine.constraints import Constraint, ConstraintError, GrammarSpec, tagged_json_lark
 from engine.bench import BenchConfig, BenchReport, run_bench
 from engine.engine import Engine, make_engine
 from engine.kv_config import ApcConfig, KVConfig
@@ -25,4 +26,5 @@ __all__ = [
     "ApcConfig", "BUNDLED_MODEL_DIR", "BenchConfig", "BenchReport", "DTYPES", "Engine", "EngineClient", "EngineConfig",
     "EngineNotReady", "FinishReason", "KVConfig", "LoadedModel", "MAX_TOP_LOGPROBS", "ModelInfo", "Request", "RequestId",
     "RequestOutput", "RequestRejected", "SamplingParams", "SchedulerConfig", "TokenLogprob", "attention_in_force", "load_model", "make_engine", "run_bench",
+    "tagged_json_lark", "Constraint", "ConstraintError", "GrammarSpec",
 ]

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.constraints import Constraint, ConstraintCompiler, GrammarSpec
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.kv_config import ApcConfig, KVConfig
@@ -90,6 +91,7 @@ class EngineClient:
         self.load_error: BaseException | None = None
         self.info: ModelInfo | None = None
         self._tokenizer: Any = None
+        self._compiler: ConstraintCompiler | None = None
         self._inbox: queue.Queue[Callable[[Any], None]] = queue.Queue()
         self._streams: dict[RequestId, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._stats = {"running": 0, "waiting": 0, "kv_bytes": 0, "reserved_bytes": 0}
@@ -121,6 +123,15 @@ class EngineClient:
 
     def decode_token(self, token_id: int) -> str:
         return self._require_tokenizer().decode([token_id])
+
+    # --- grammar constraints (engine/constraints.py) ---
+    async def compile_constraint(self, spec: GrammarSpec) -> Constraint:
+        """Compile ``spec`` for the served model on a worker thread (never on the event loop),
+        for ``SamplingParams.constraint``. Raises ``ConstraintError`` (a 400) for a grammar that
+        is invalid, unsatisfiable or unsupported, before the request is queued."""
+        if not self.ready.is_set() or self._compiler is None:
+            raise EngineNotReady("the model is still loading")
+        return await asyncio.to_thread(self._compiler.compile, spec)
 
     def _require_tokenizer(self) -> Any:
         if not self.ready.is_set() or self._tokenizer is None:
@@ -252,6 +263,7 @@ class EngineClient:
             loaded = load_model(self.config.model_path, self.config.dtype, self.config.model_id)
             engine = make_engine(loaded, self.config.scheduler, self.config.kv, self.config.apc)
             self._tokenizer = loaded.tokenizer
+            self._compiler = ConstraintCompiler(loaded.tokenizer, loaded.vocab_size)
             self._cost, self._budget = engine.cost_alone, engine.kv_budget_bytes
             logger.info("KV layout %s; KV budget %s bytes (%.1f MiB); a full-context sequence costs %s bytes",
                         engine.layout.name, f"{self._budget:,}", self._budget / 2**20,

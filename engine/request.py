@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, Any, NewType
+
+if TYPE_CHECKING:
+    from engine.constraints import Constraint
 
 RequestId = NewType("RequestId", str)
 
@@ -17,7 +19,10 @@ class SamplingParams:
 
     Invariants: ``max_tokens >= 1``; ``temperature == 0`` means greedy; ``top_k == 0``,
     ``top_p == 1`` and ``min_p == 0`` switch their filters off; ``seed`` makes sampling
-    reproducible for this request whatever else runs beside it.
+    reproducible for this request whatever else runs beside it. ``constraint`` (compiled by
+    ``EngineClient.compile_constraint``) forces the output into a grammar: every choice runs its
+    own matcher, EOS is allowed exactly when the grammar accepts, and the row ends when the
+    grammar is complete (``stop``) or has no allowed token left (``grammar_dead_end``).
     """
 
     max_tokens: int
@@ -33,6 +38,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_greedy(self) -> bool:
@@ -54,6 +60,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # a constrained row with no allowed token (a grammar error or limit)
 
 
 @dataclass
