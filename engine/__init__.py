@@ -5,6 +5,7 @@ This is the public API the server may use. Importing it imports MLX.
 
 from engine.constraints import Constraint, ConstraintError, GrammarSpec, tagged_json_lark
 from engine.bench import BenchConfig, BenchReport, run_bench
+from engine.chat_output import ChatFormat, OutputParser, ParsedCall, ParsedDelta
 from engine.engine import Engine, make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.engine_client import EngineClient, EngineConfig, EngineNotReady, ModelInfo, RequestRejected
@@ -23,8 +24,9 @@ def attention_in_force() -> str:
 
 
 __all__ = [
-    "ApcConfig", "BUNDLED_MODEL_DIR", "BenchConfig", "BenchReport", "DTYPES", "Engine", "EngineClient", "EngineConfig",
-    "EngineNotReady", "FinishReason", "KVConfig", "LoadedModel", "MAX_TOP_LOGPROBS", "ModelInfo", "Request", "RequestId",
-    "RequestOutput", "RequestRejected", "SamplingParams", "SchedulerConfig", "TokenLogprob", "attention_in_force", "load_model", "make_engine", "run_bench",
-    "tagged_json_lark", "Constraint", "ConstraintError", "GrammarSpec",
+    "ApcConfig", "attention_in_force", "BenchConfig", "BenchReport", "BUNDLED_MODEL_DIR", "ChatFormat",
+    "Constraint", "ConstraintError", "DTYPES", "Engine", "EngineClient", "EngineConfig", "EngineNotReady",
+    "FinishReason", "GrammarSpec", "KVConfig", "load_model", "LoadedModel", "make_engine", "MAX_TOP_LOGPROBS",
+    "ModelInfo", "OutputParser", "ParsedCall", "ParsedDelta", "Request", "RequestId", "RequestOutput",
+    "RequestRejected", "run_bench", "SamplingParams", "SchedulerConfig", "tagged_json_lark", "TokenLogprob",
 ]

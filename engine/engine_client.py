@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.chat_output import ChatFormat, OutputParser, chat_format_of
 from engine.constraints import Constraint, ConstraintCompiler, GrammarSpec
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -49,6 +50,7 @@ class ModelInfo:
     compute_dtype: str
     kv_cache: dict[str, Any]
     vocab_size: int
+    chat_format: ChatFormat = field(default_factory=ChatFormat)  # think and tool-call markers (mlx-lm's)
 
 
 class EngineNotReady(RuntimeError):
@@ -116,10 +118,22 @@ class EngineClient:
     def encode(self, text: str) -> list[int]:
         return list(self._require_tokenizer().encode(text, add_special_tokens=False))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The model's chat template over ``messages`` (and ``tools``, OpenAI's function tools as
+        dicts, which the template lists for the model), tokenized."""
+        extra = {"tools": tools} if tools else {}
         ids = self._require_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                            tokenize=True)
+                                                            tokenize=True, **extra)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def output_parser(self, prompt_ids: list[int], *, tools: list[dict[str, Any]] | None = None,
+                      parse_tools: bool = False, reasoning: bool = True) -> OutputParser:
+        """A fresh splitter of one chat choice's text into content, reasoning (``reasoning``: the
+        model's think markers, if it has them) and tool calls (``parse_tools``: the model's
+        tool-call format, if mlx-lm knows one). Pure Python: use it on any thread."""
+        return OutputParser(self._require_tokenizer(), tools=tools, parse_tools=parse_tools, reasoning=reasoning,
+                            prompt_ids=prompt_ids)
 
     def decode_token(self, token_id: int) -> str:
         return self._require_tokenizer().decode([token_id])
@@ -269,7 +283,8 @@ class EngineClient:
                         engine.layout.name, f"{self._budget:,}", self._budget / 2**20,
                         f"{engine.pricing.sequence_bytes(loaded.context_length):,}")
             self.info = ModelInfo(loaded.model_id, loaded.context_length, loaded.fingerprint,
-                                  loaded.compute_dtype, engine.describe_kv(), loaded.vocab_size)
+                                  loaded.compute_dtype, engine.describe_kv(), loaded.vocab_size,
+                                  chat_format_of(loaded.tokenizer))
             self._update_stats(engine)  # gauges (budgets, prefix cache) are right before any request
         except BaseException as exc:  # reported through /health; the server stays up to say so
             logger.exception("model load failed")

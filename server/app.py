@@ -32,6 +32,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None) -> Fast
 
     app = FastAPI(title="kvarn", version="0.1.0", lifespan=lifespan)
     app.state.client = engine_client
+    app.state.config = config
     app.state.metrics = Metrics(engine_client.stats)
     install_error_handlers(app)
     app.include_router(router)

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     apc.add_argument("--apc-disk-bytes", type=_size, default=None, metavar="BYTES",
                      help="byte cap of the disk tier in --apc-disk-dir, least recently used blocks removed "
                           "beyond it (default: 4GiB)")
+    serve.add_argument("--no-reasoning-content", action="store_true",
+                       help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
+                            "splitting it out into 'reasoning_content' (models without think tokens: no effect)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
     run = sub.add_parser("run", help="generate once and stream the text to the terminal",
@@ -204,7 +207,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
                             scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
-        allowed_hosts=tuple(args.allowed_host))
+        allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content)
 
 
 def _serve(args: argparse.Namespace) -> int:

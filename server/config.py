@@ -29,6 +29,7 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] = ()
+    reasoning_content: bool = True  # a thinking model's <think> text goes to reasoning_content
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.api_key:

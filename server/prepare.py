@@ -12,6 +12,7 @@ from typing import Any
 from engine import EngineClient, ModelInfo, SamplingParams
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from server.tools import template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +39,29 @@ def check_unsupported(body: _Sampling) -> None:
                            code="unsupported_value")
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The conversation as the chat template takes it (a developer message is a system message)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-
-
-def chat_prompt_ids(body: ChatCompletionRequest, client: EngineClient) -> list[int]:
+def chat_prompt_ids(body: ChatCompletionRequest, client: EngineClient,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    messages = template_messages(body)
     try:
-        return client.apply_chat_template(chat_messages(body))
+        return client.apply_chat_template(messages, tools=tools)
     except Exception as exc:  # the model's own template refused the conversation
         raise APIError(400, f"The chat template could not render these messages: {exc}", param="messages",
                        code="invalid_messages") from exc
 
 
-def system_prompt_end(body: ChatCompletionRequest, prompt_ids: list[int], client: EngineClient) -> tuple[int, ...]:
+def system_prompt_end(body: ChatCompletionRequest, prompt_ids: list[int], client: EngineClient,
+                      tools: list[dict[str, Any]] | None = None) -> tuple[int, ...]:
     """Where the system prompt ends in ``prompt_ids``, as ``EngineClient.generate``'s
     ``snapshot_at``: ``(n,)`` when the conversation opens with a system message whose rendering
     alone is a strict prefix of the whole prompt (n tokens), else ``()``. Conversations that share
-    the system prompt can then resume from a snapshot of it. Never fails the request: a template
-    that renders the system turn differently alone, or refuses it, just gives no snapshot."""
-    messages = chat_messages(body)
+    the system prompt (and the same ``tools``) can then resume from a snapshot of it. Never fails
+    the request: a template that renders the system turn differently alone, or refuses it, just
+    gives no snapshot."""
+    messages = template_messages(body)
     if messages[0]["role"] != "system":
         return ()
     try:
-        system_ids = client.apply_chat_template(messages[:1], add_generation_prompt=False)
+        system_ids = client.apply_chat_template(messages[:1], add_generation_prompt=False, tools=tools)
     except Exception:  # noqa: BLE001 - a hint only: the request goes on without it
         logger.debug("the system prompt could not be rendered alone; no snapshot", exc_info=True)
         return ()

@@ -4,7 +4,7 @@ values of the wrong JSON type are refused too, never coerced (``"max_tokens": "1
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -27,11 +27,52 @@ class TextPart(_Strict):
     text: str
 
 
+MAX_FUNCTION_NAME_CHARS = 64
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call an earlier assistant message made (sent back in the conversation)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]+$", max_length=MAX_FUNCTION_NAME_CHARS)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object (checked in server/tools.py)
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    # what the SDK sends back when a client appends a response's message to the conversation
+    refusal: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -106,6 +147,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from server.chat_choices import ChoiceFormat
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
            FinishReason.ERROR: "error"}
@@ -29,6 +30,7 @@ class Job:
     admission: Any = None  # the front door's engine.Admission, handed to EngineClient.generate
     cache_salt: str | None = None  # the prefix cache serves only blocks cached under this salt
     snapshot_at: tuple[int, ...] = ()  # prompt lengths worth a whole-row snapshot (end of the system prompt)
+    choice_format: ChoiceFormat = field(default_factory=ChoiceFormat)  # chat: content, reasoning, tool calls
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.monotonic)
@@ -85,10 +87,17 @@ def chunk(job: Job, text: str | None, finish: str | None, logprobs: dict[str, An
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text:
             delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {**_header(job, "chat.completion.chunk"), "choices": [choice]}
+        return chat_chunk(job, delta, finish, logprobs, index)
     choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {**_header(job, "text_completion"), "choices": [choice]}
+
+
+def chat_chunk(job: Job, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None,
+               index: int = 0) -> dict[str, Any]:
+    """One streamed chat chunk with one choice and its ``delta`` (content, reasoning_content,
+    tool_calls)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    return {**_header(job, "chat.completion.chunk"), "choices": [choice]}
 
 
 def usage_chunk(job: Job, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -120,9 +129,10 @@ def full_response(job: Job, choices: Sequence[Collected], decode: Callable[[int]
         finish = finish_name(last.finish_reason)
         if job.kind == "chat":
             lp = chat_logprobs(collected.logprobs, decode) if job.params.logprobs else None
-            bodies.append({"index": index, "message": {"role": "assistant", "content": collected.text,
-                                                       "refusal": None},
-                           "logprobs": lp, "finish_reason": finish})
+            split = job.choice_format.start()
+            message = split.message(split.feed(collected.text, finished=True))
+            bodies.append({"index": index, "message": message, "logprobs": lp,
+                           "finish_reason": split.finish_name(last.finish_reason, finish)})
         else:
             lp = (completion_logprobs(collected.logprobs, decode, len(job.echo_text))
                   if job.params.logprobs else None)

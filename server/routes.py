@@ -14,9 +14,11 @@ from engine import EngineClient, EngineNotReady, ModelInfo, RequestRejected, att
 from server.errors import APIError, error_response
 from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params, \
     system_prompt_end
+from server.chat_choices import choice_format
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Job
 from server.streaming import collect, stream_events
+from server.tools import plan_tools
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -88,13 +90,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     client, info = _ready(request)
     check_model(body, info)
     check_unsupported(body)
-    prompt_ids = chat_prompt_ids(body, client)
+    tools = plan_tools(body, info)
+    prompt_ids = chat_prompt_ids(body, client, tools.tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=None, logprobs=body.logprobs,
                              top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
+    split = choice_format(client, prompt_ids, tools, request.app.state.config.reasoning_content)
     return await _respond(Job("chat", info.model_id, prompt_ids, params, _fingerprint(info),
                               include_usage=_include_usage(body), n=body.n, cache_salt=body.salt(),
-                              snapshot_at=system_prompt_end(body, prompt_ids, client)), body.stream, request)
+                              snapshot_at=system_prompt_end(body, prompt_ids, client, tools.tools),
+                              choice_format=split), body.stream, request)
 
 
 @router.post("/v1/completions", response_model=None)

@@ -18,7 +18,7 @@ from fastapi import Request
 from engine import EngineClient, FinishReason, RequestOutput, RequestRejected
 from server.errors import APIError, ClientDisconnected, error_body
 from server.metrics import Metrics
-from server.responses import Collected, Job, chat_logprobs, chunk, completion_logprobs, finish_name, \
+from server.responses import Collected, Job, chat_chunk, chat_logprobs, chunk, completion_logprobs, finish_name, \
     full_response, usage_chunk
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
     tokens = [0] * job.n
     cached = 0  # the prompt's tokens served from the prefix cache (the same on every output)
     finishes: list[FinishReason | None] = [None] * job.n
+    splits = [job.choice_format.start() for _ in range(job.n)] if job.kind == "chat" else []
     try:
         for index in range(job.n):
             if job.kind == "chat":
@@ -67,8 +68,17 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
                 logprobs = (chat_logprobs(output.logprobs, client.decode_token) if job.kind == "chat"
                             else completion_logprobs(output.logprobs, client.decode_token, offsets[i]))
             offsets[i] += len(output.text)
-            if output.text or logprobs or output.finished:
-                yield _event(chunk(job, output.text, finish_name(output.finish_reason), logprobs, index=i))
+            finish = finish_name(output.finish_reason)
+            if splits:
+                split = splits[i]
+                deltas = split.deltas(split.feed(output.text, output.finished)) or \
+                    ([{}] if logprobs or output.finished else [])
+                finish = split.finish_name(output.finish_reason, finish)
+                for k, delta in enumerate(deltas):  # logprobs with the first, the finish with the last
+                    yield _event(chat_chunk(job, delta, finish if k == len(deltas) - 1 else None,
+                                            logprobs if k == 0 else None, index=i))
+            elif output.text or logprobs or output.finished:
+                yield _event(chunk(job, output.text, finish, logprobs, index=i))
         else:
             if job.include_usage:
                 yield _event(usage_chunk(job, len(job.prompt_ids), sum(tokens), cached))

@@ -1,0 +1,136 @@
+"""Tool calling on /v1/chat/completions: checking ``tools`` and ``tool_choice`` against the model,
+and the conversation as the chat template takes it (assistant ``tool_calls``, ``tool`` results).
+
+What each ``tool_choice`` does (the tools are always rendered into the prompt, so every turn of an
+agent loop starts with the same system turn, whatever it asks):
+
+| tool_choice | the output |
+|---|---|
+| ``auto`` (the default with tools) | free; calls in the model's format are read out (mlx-lm's parser) |
+| ``none`` | free; nothing is read as a call: the text stays in ``content`` (vLLM's behaviour) |
+| ``required`` | constrained to one or more calls (one with ``parallel_tool_calls: false``) of the given tools, arguments valid under their schemas |
+| ``{"type": "function", "function": {"name": ...}}`` | constrained to one call of that function |
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
+
+from engine import ModelInfo
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request asks of tool calling. ``tools``: OpenAI's function tools as the
+    template takes them (None: no tools); ``parse``: read calls out of the output; ``forced``:
+    the function names the output is constrained to call (empty: unconstrained); ``max_calls``:
+    the most calls reported (None: any)."""
+
+    tools: list[dict[str, Any]] | None = None
+    parse: bool = False
+    forced: tuple[str, ...] = ()
+    max_calls: int | None = None
+    parameters: tuple[tuple[str, dict[str, Any]], ...] = ()  # (name, parameters schema) per tool
+
+
+def plan_tools(body: ChatCompletionRequest, info: ModelInfo) -> ToolPlan:
+    """Check ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (400s in OpenAI's shape)."""
+    if not body.tools:
+        if body.tools is not None:
+            raise APIError(400, "Invalid 'tools': empty array. Expected an array with minimum length 1.",
+                           param="tools", code="empty_array")
+        for field in ("tool_choice", "parallel_tool_calls"):
+            if getattr(body, field) is not None:
+                raise APIError(400, f"Invalid value for '{field}': '{field}' is only allowed when 'tools' are "
+                                    f"specified.", param=field, code="invalid_value")
+        return ToolPlan()
+    if not info.chat_format.has_tool_calling:
+        raise APIError(400, f"The model '{info.model_id}' has no tool-call format (its chat template names none "
+                            f"that mlx-lm can parse), so it cannot take 'tools'.", param="tools",
+                       code="unsupported_value")
+    names = [tool.function.name for tool in body.tools]
+    parameters = tuple((tool.function.name, _checked_parameters(i, tool.function.name, tool.function.parameters))
+                       for i, tool in enumerate(body.tools))
+    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if duplicate is not None:
+        raise APIError(400, f"Invalid 'tools': the function name '{duplicate}' is used twice.", param="tools",
+                       code="invalid_value")
+    rendered = [tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in body.tools]
+    choice = body.tool_choice or "auto"
+    if choice == "required" or isinstance(choice, NamedToolChoice):  # needs grammar-constrained decoding
+        raise APIError(400, "tool_choice 'required' and a named function are not supported yet.",
+                       param="tool_choice", code="unsupported_value")
+    parallel = body.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise APIError(400, f"Invalid value for 'tool_choice': no function named '{choice.function.name}' is "
+                                f"in 'tools'.", param="tool_choice", code="invalid_value")
+        return ToolPlan(rendered, True, (choice.function.name,), 1, parameters)
+    if choice == "required":
+        return ToolPlan(rendered, True, tuple(names), None if parallel else 1, parameters)
+    return ToolPlan(rendered, choice == "auto", (), None if parallel else 1, parameters)
+
+
+def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's ``parameters``: a valid JSON Schema for an object (OpenAI's rule)."""
+    if schema is None:
+        return _EMPTY_PARAMETERS
+    param = f"tools[{index}].function.parameters"
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        raise APIError(400, f"Invalid schema for function '{name}': {exc.message}", param=param,
+                       code="invalid_function_parameters") from exc
+    if schema.get("type", "object") != "object":
+        raise APIError(400, f"Invalid schema for function '{name}': schema must be a JSON Schema of "
+                            f"'type: \"object\"', got 'type: {json.dumps(schema.get('type'))}'.", param=param,
+                       code="invalid_function_parameters")
+    return schema
+
+
+def template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it: a developer message is a system message;
+    an assistant's ``tool_calls`` carry their arguments as JSON values (templates write them
+    with ``tojson``, as Hugging Face's and vLLM's do); a tool result keeps its ``tool_call_id``."""
+    return [_template_message(i, m) for i, m in enumerate(body.messages)]
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                           "content": message.text()}
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise APIError(400, f"Invalid parameter: messages[{index}].tool_calls is only allowed on assistant "
+                                f"messages.", param=f"messages[{index}].tool_calls", code="invalid_value")
+        out["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.function.name,
+                                           "arguments": _arguments(index, j, call.function.arguments)}}
+                             for j, call in enumerate(message.tool_calls)]
+    if message.role == "tool":
+        if message.tool_call_id is None:
+            raise APIError(400, f"Missing required parameter: 'messages[{index}].tool_call_id'.",
+                           param=f"messages[{index}].tool_call_id", code="missing_required_parameter")
+        out["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            out["name"] = message.name
+    if message.role == "assistant" and message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content  # templates that re-render thinking read it
+    return out
+
+
+def _arguments(index: int, call: int, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        param = f"messages[{index}].tool_calls[{call}].function.arguments"
+        raise APIError(400, f"Invalid value for '{param}': the arguments are not valid JSON ({exc}).",
+                       param=param, code="invalid_value") from exc
