@@ -48,7 +48,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from llguidance import LLMatcher, LLTokenizer, grammar_from
@@ -69,8 +69,9 @@ class ConstraintError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What to constrain a request's output to, before compilation. ``source`` is canonical
-    text (a schema as sorted-key JSON), so equal specs hash equal and share a compilation."""
+    """What to constrain a request's output to, before compilation. ``source`` is the grammar's
+    text (a schema as JSON, its keys in the client's order: properties are written in schema
+    order), so equal specs hash equal and share a compilation."""
 
     kind: GrammarKind
     source: str
@@ -81,7 +82,7 @@ class GrammarSpec:
         if not isinstance(schema, dict):
             raise ConstraintError("The JSON schema must be a JSON object.")
         try:
-            return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True, allow_nan=False))
+            return GrammarSpec("json_schema", json.dumps(schema, allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise ConstraintError(f"The JSON schema is not valid JSON: {exc}") from exc
 
@@ -116,7 +117,7 @@ def tagged_json_lark(schema: dict[str, Any], begin: str, end: str, separator: st
     ``GrammarSpec.json_schema`` writes it (``JSON_OPTIONS``)."""
     if max_count is not None and max_count < 1:
         raise ValueError("max_count must be >= 1 (or None)")
-    body = json.dumps({**schema, "x-guidance": JSON_OPTIONS}, sort_keys=True)
+    body = json.dumps({**schema, "x-guidance": JSON_OPTIONS})
     repeat = "*" if max_count is None else f"{{0,{max_count - 1}}}"
     rest = f" ({json.dumps(separator)} item){repeat}" if max_count != 1 else ""
     return f"start: item{rest}\nitem: {json.dumps(begin)} %json {body} {json.dumps(end)}\n"
@@ -130,6 +131,7 @@ class Constraint:
     spec: GrammarSpec
     matcher: LLMatcher
     compile_s: float  # seconds the compilation took (0.0 when served from the cache)
+    mask_vocab: int  # llguidance's vocabulary size: a mask's width in tokens (>= the model's logits)
 
     def new_matcher(self) -> LLMatcher:
         return self.matcher.deep_copy()
@@ -160,7 +162,7 @@ class ConstraintCompiler:
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
-                return Constraint(spec, self._cache[spec].matcher, 0.0)
+                return replace(self._cache[spec], compile_s=0.0)
         ll = self.lltokenizer()
         start = time.perf_counter()
         matcher = LLMatcher(ll, _grammar_text(spec), log_level=0)
@@ -174,7 +176,7 @@ class ConstraintCompiler:
                 error = "no token of this model can start the output"
         if error:
             raise ConstraintError(f"Invalid {_NAMES[spec.kind]}: {_first_line(error)}")
-        constraint = Constraint(spec, matcher, time.perf_counter() - start)
+        constraint = Constraint(spec, matcher, time.perf_counter() - start, ll.vocab_size)
         with self._lock:
             self._cache[spec] = constraint
             while len(self._cache) > _CACHE_SIZE:

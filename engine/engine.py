@@ -293,7 +293,7 @@ class Engine:
         for request in advanced:
             sampled = result.sampled[request.request_id]
             delta = advance(self._outputs[request.request_id], request, sampled.token_id, sampled.logprob,
-                            self._eos_token_ids, self.loaded.context_length)
+                            self._eos_token_ids, self.loaded.context_length, sampled.finish)
             if delta.finish_reason is not None:
                 self.scheduler.finish(request, delta.finish_reason)
                 self._forget(request)
@@ -302,6 +302,10 @@ class Engine:
                     request.request_id, delta.text, delta.token_ids, delta.logprobs,
                     request.num_prompt_tokens, len(request.output_ids), delta.finish_reason, index=request.index,
                     num_cached_tokens=request.num_cached_tokens))
+        for request_id, reason in result.ended.items():  # a grammar with no allowed token: no token
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                outputs += self._finish(request, reason)
         return outputs
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:

@@ -8,7 +8,9 @@ KVarN pool or the baselines' slots), so the weight matmuls are shared and every 
 over exactly its own tokens. The decode batch persists across steps: rows join (``extend``) and
 leave (``filter``) without copying anyone's cache. A decode step is built as lazy MLX graphs and
 evaluated together; each prompt chunk of a row in shared storage is evaluated before the next
-graph is built (MLX then updates the shared buffers in place).
+graph is built (MLX then updates the shared buffers in place). Rows under a grammar get their
+masks from ``RowGrammars`` (computed on a worker thread during the step's forward) and consume
+their tokens after it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.grammar_rows import DEAD_END, RowGrammars
 from engine.loader import LoadedModel
-from engine.request import Request, RequestId, SamplingParams, TokenLogprob
+from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import SampleArrays, SamplerState, make_sampler_state, sample
 from engine.step_types import PrefillChunk, SampledToken, StepPlan, StepResult
 from kvarn.baselines import cache_nbytes
@@ -94,6 +97,7 @@ class ModelRunner:
         self.store = RowStore(loaded.model, layout)
         self.rows: dict[RequestId, Row] = {}
         self.batch = DecodeBatch()
+        self.grammars = RowGrammars(loaded.vocab_size)  # matchers of constrained rows
 
     def kv_nbytes(self) -> int:
         """Bytes the rows hold (blocks shared by several rows counted once)."""
@@ -113,22 +117,41 @@ class ModelRunner:
             row = self.rows.pop(request_id, None)
             if row is not None:
                 self.store.release(row.cache)
+        self.grammars.free(request_ids)
         self.batch.drop(request_ids)
 
     def run(self, plan: StepPlan, requests: Mapping[RequestId, Request]) -> StepResult:
+        """Prefill the plan's chunks, decode its rows, sample every row that ends the step with
+        logits. Constrained rows' masks are computed on the mask worker meanwhile
+        (``engine/grammar_rows.py``): the step's forward is dispatched before the engine thread
+        waits for them, and unconstrained rows sample exactly as they would without them."""
         self.free(plan.freed)
-        pending: dict[RequestId, SampleArrays] = {}
+        job = None
         try:
+            job = self.grammars.start(_sampling_rows(plan), requests)
+            logits: dict[RequestId, mx.array] = {}  # one row of logits per row that samples
             for chunk in plan.prefills:
-                self._prefill(chunk, requests, pending)
+                self._prefill(chunk, requests, logits)
             if plan.decodes:
-                self._decode(plan.decodes, requests, pending)
+                self._decode(plan.decodes, requests, logits, dispatch=job is not None)
+            masks = job.result() if job is not None else {}
+            pending: dict[RequestId, SampleArrays] = {}
+            ended = {}
+            for request_id, row_logits in logits.items():
+                row, allowed = self.rows[request_id], masks.get(request_id)
+                if request_id in masks and allowed is DEAD_END:
+                    ended[request_id] = FinishReason.GRAMMAR_DEAD_END
+                    continue
+                pending[request_id] = sample(row_logits, row.params, row.sampler,
+                                             None if allowed is None else mx.array(allowed))
             states = [self.rows[i].sampler for i in pending]
             mx.eval([a for arrays in pending.values() for a in vars(arrays).values() if a is not None]
                     + [s.key for s in states] + [s.counts for s in states if s.counts is not None])
-            return StepResult(sampled=self._collect(pending))
+            return StepResult(sampled=self._collect(pending), ended=ended)
         except Exception as exc:  # a failed step fails its rows, never the engine
             logger.exception("step failed")
+            if job is not None:  # the worker lets go of the matchers before their rows are freed
+                job.wait()
             involved = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks]
             involved += list(plan.decodes)
             for chunk in plan.prefills:  # a hit its row never took (a no-op for one it took)
@@ -139,7 +162,7 @@ class ModelRunner:
             return StepResult(failed={request_id: f"generation failed: {exc}" for request_id in involved})
 
     def _prefill(self, chunk: PrefillChunk, requests: Mapping[RequestId, Request],
-                 pending: dict[RequestId, SampleArrays]) -> None:
+                 out: dict[RequestId, mx.array]) -> None:
         request = requests[chunk.request_id]
         row = self.rows.get(chunk.request_id) or self._new_row(request, chunk.restore)
         tokens = mx.array(request.prompt_ids[chunk.start_idx: chunk.end_idx], dtype=mx.int32)[None]
@@ -155,24 +178,26 @@ class ModelRunner:
             self.rows[fork_id] = Row(self.store.fork(row.cache), make_sampler_state(fork.params, self.loaded.vocab_size),
                                      fork.params)
         for request_id in (chunk.request_id, *chunk.forks):
-            state = self.rows[request_id]
-            pending[request_id] = sample(logits, state.params, state.sampler)
+            out[request_id] = logits
 
     def _decode(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
-                pending: dict[RequestId, SampleArrays]) -> None:
+                out: dict[RequestId, mx.array], dispatch: bool) -> None:
+        """The rows' next logits; ``dispatch`` starts computing them now (masks are awaited next)."""
         if not self.batch_decode:
             for request_id in ids:
                 row = self.rows[request_id]
                 tokens = mx.array(requests[request_id].output_ids[-1:], dtype=mx.int32)[None]
-                pending[request_id] = sample(self.loaded.model(tokens, cache=row.cache)[0, -1], row.params,
-                                             row.sampler)
+                out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
+            if dispatch:
+                mx.async_eval([out[i] for i in ids])
             return
         self.batch.sync(ids, self.rows)
         tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
         logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
+        if dispatch:
+            mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
-            row = self.rows[request_id]
-            pending[request_id] = sample(logits[b], row.params, row.sampler)
+            out[request_id] = logits[b]
 
     def _new_row(self, request: Request, hit: Any = None) -> Row:
         capacity = self.capacity(request) if self.capacity is not None else None
@@ -191,8 +216,8 @@ class ModelRunner:
         self.rows[request.request_id] = row
         return row
 
-    @staticmethod
-    def _collect(pending: dict[RequestId, SampleArrays]) -> dict[RequestId, SampledToken]:
+    def _collect(self, pending: dict[RequestId, SampleArrays]) -> dict[RequestId, SampledToken]:
+        """Tokens to Python; each constrained row's matcher consumes its token here."""
         sampled = {}
         for request_id, arrays in pending.items():
             token_id = arrays.token.item()
@@ -203,5 +228,13 @@ class ModelRunner:
                     pairs = zip(arrays.top_ids.tolist(), arrays.top_logprobs.tolist())
                     top = tuple(sorted(pairs, key=lambda p: -p[1]))
                 logprob = TokenLogprob(token_id, arrays.logprob.item(), top)
-            sampled[request_id] = SampledToken(request_id, token_id, logprob)
+            sampled[request_id] = SampledToken(request_id, token_id, logprob,
+                                               finish=self.grammars.consume(request_id, token_id))
         return sampled
+
+
+def _sampling_rows(plan: StepPlan) -> list[RequestId]:
+    """Rows that sample a token in this step: each last prompt chunk's (and its forks'), and
+    every decoding row."""
+    rows = [i for c in plan.prefills if c.is_last for i in (c.request_id, *c.forks)]
+    return rows + list(plan.decodes)

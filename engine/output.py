@@ -58,17 +58,20 @@ def _held_back_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 def advance(state: OutputState, request: Request, token_id: int, logprob: TokenLogprob | None,
-            eos_token_ids: frozenset[int], context_length: int) -> Delta:
-    """Account for one new token of ``request``; decide whether it ends the request."""
+            eos_token_ids: frozenset[int], context_length: int, grammar_end: FinishReason | None = None) -> Delta:
+    """Account for one new token of ``request``; decide whether it ends the request.
+    ``grammar_end``: the end its grammar decided with this token (a constrained row's EOS is
+    the grammar's end even with ``ignore_eos``)."""
     params = request.params
     state.pending_tokens.append(token_id)
     finish: FinishReason | None = None
-    if token_id in eos_token_ids and not params.ignore_eos:
-        finish = FinishReason.STOP  # EOS is counted as a token but has no text and no logprob entry
+    if token_id in eos_token_ids and (not params.ignore_eos or grammar_end is not None):
+        finish = grammar_end or FinishReason.STOP  # EOS is counted as a token but has no text and no logprob entry
     else:
         state.detokenizer.add_token(token_id)
         if logprob is not None:
             state.pending_logprobs.append(logprob)
+        finish = grammar_end
     if finish is None and (len(request.output_ids) >= params.max_tokens
                            or request.num_prompt_tokens + len(request.output_ids) >= context_length):
         finish = FinishReason.LENGTH

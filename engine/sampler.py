@@ -1,8 +1,13 @@
-"""Per-request sampling on one row of logits: penalties, logit bias, temperature, top-k/top-p/min-p.
+"""Per-request sampling on one row of logits: penalties, logit bias, a grammar's mask,
+temperature, top-k/top-p/min-p.
 
 Each request owns its random key (split once per token), so a seeded request samples the
 same tokens alone or beside any other request. Log-probabilities reported to clients are the
-model's own (log-softmax of the raw logits), as in OpenAI's API and vLLM's default.
+model's own (log-softmax of the raw logits), as in OpenAI's API and vLLM's default, also for
+rows under a grammar. A grammar's mask (``engine/grammar_rows.py``) is one ``mx.where`` on the
+row's logits before any filter, so greedy and sampled choices alike only see allowed tokens
+(llguidance's ``llguidance.mlx.apply_token_bitmask`` is a Metal-only kernel; this runs on every
+backend).
 """
 
 from __future__ import annotations
@@ -47,8 +52,10 @@ class SampleArrays:
     top_logprobs: mx.array | None
 
 
-def sample(logits: mx.array, params: SamplingParams, state: SamplerState) -> SampleArrays:
-    """Sample one token from ``logits`` of shape [vocab]; updates ``state`` in place."""
+def sample(logits: mx.array, params: SamplingParams, state: SamplerState,
+           allowed: mx.array | None = None) -> SampleArrays:
+    """Sample one token from ``logits`` of shape [vocab]; updates ``state`` in place.
+    ``allowed`` (bool, [vocab]): the only tokens it may pick (at least one is True)."""
     logits = logits.astype(mx.float32)
     processed = logits
     if state.bias is not None:
@@ -56,6 +63,8 @@ def sample(logits: mx.array, params: SamplingParams, state: SamplerState) -> Sam
     if state.counts is not None:
         processed = processed - params.frequency_penalty * state.counts
         processed = processed - params.presence_penalty * (state.counts > 0)
+    if allowed is not None:
+        processed = mx.where(allowed, processed, -mx.inf)
     if params.is_greedy:
         token = mx.argmax(processed, axis=-1)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import RequestId, TokenLogprob
+from engine.request import FinishReason, RequestId, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,20 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class SampledToken:
+    """A row's new token; ``finish`` when its grammar ends the row with it (complete: STOP,
+    token refused: GRAMMAR_DEAD_END)."""
+
     request_id: RequestId
     token_id: int
     logprob: TokenLogprob | None = None
+    finish: FinishReason | None = None
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """Sampled tokens by request, and requests whose forward pass failed (with the reason)."""
+    """Sampled tokens by request, requests whose forward pass failed (with the reason), and
+    constrained rows that ended without a token (their grammar allowed none)."""
 
     sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
     failed: dict[RequestId, str] = field(default_factory=dict)
+    ended: dict[RequestId, FinishReason] = field(default_factory=dict)

@@ -40,10 +40,10 @@ class LogitRecorder:
         self.by_state: list[tuple[str, mx.array]] = []
         self.logits: dict[str, list[np.ndarray]] = {}
 
-    def __call__(self, logits, params, state):
+    def __call__(self, logits, params, state, allowed=None):
         rid = next(rid for rid, row in self.engine.runner.rows.items() if row.sampler is state)
         self.by_state.append((rid, logits))
-        return self.original(logits, params, state)
+        return self.original(logits, params, state, allowed)
 
     def flush(self) -> None:
         for rid, logits in self.by_state:
