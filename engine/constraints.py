@@ -5,7 +5,8 @@ fields and ``tool_choice`` required / named):
 
     from engine import ConstraintError, GrammarSpec
 
-    spec = GrammarSpec.json_schema(schema)       # or .json_object(), .lark(text), .regex(p), .choice([...])
+    spec = GrammarSpec.json_schema(schema)  # or .json_object(), .lark(text), .grammar(lark or GBNF),
+                                            #    .regex(pattern), .choice([...])
     try:
         constraint = await client.compile_constraint(spec)   # EngineClient: on a thread, off the event loop
     except ConstraintError as exc:                            # invalid or unsupported: a 400, before any token
@@ -56,7 +57,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 logger = logging.getLogger(__name__)
 
-GrammarKind = Literal["json_schema", "json_object", "lark", "regex", "choice"]
+GrammarKind = Literal["json_schema", "json_object", "lark", "grammar", "regex", "choice"]
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_TOKEN_BYTES = 1024  # llguidance's token trie holds tokens up to 1,024 bytes (PARENT_BITS = 10)
 _CACHE_SIZE = 64
@@ -95,6 +96,11 @@ class GrammarSpec:
     def lark(text: str) -> GrammarSpec:
         """Output text of llguidance's lark grammar (``%json {...}`` embeds a JSON schema)."""
         return GrammarSpec("lark", text)
+
+    @staticmethod
+    def grammar(text: str) -> GrammarSpec:
+        """A lark grammar, or a GBNF one (llama.cpp's format, converted by llguidance)."""
+        return GrammarSpec("grammar", text)
 
     @staticmethod
     def regex(pattern: str) -> GrammarSpec:
@@ -185,7 +191,7 @@ class ConstraintCompiler:
 
 
 _NAMES = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "lark": "grammar",
-          "regex": "regular expression", "choice": "choice"}
+          "grammar": "grammar", "regex": "regular expression", "choice": "choice"}
 
 
 def _first_line(error: str) -> str:

@@ -82,8 +82,27 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchema(_Strict):
+    """OpenAI's ``response_format.json_schema``. The schema is enforced whatever ``strict`` says
+    (server/structured.py); ``description`` is accepted and not shown to the model."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]+$", max_length=MAX_FUNCTION_NAME_CHARS)]
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """``text`` (free), ``json_object`` (one JSON object) or ``json_schema`` (with ``json_schema``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and allowed only with it")
+        return self
 
 
 class _Sampling(_Strict):
@@ -108,6 +127,11 @@ class _Sampling(_Strict):
     # vLLM's extra field: the prefix cache serves this request only blocks cached under the same
     # salt (tenants that must not share cached prefixes each send their own); "" is no salt
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    # vLLM's structured-output extras (server/structured.py); at most one constraint per request
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -164,3 +188,4 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    response_format: ResponseFormat | None = None  # as vLLM: structured outputs on completions too

@@ -12,7 +12,7 @@ from engine import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from server.chat_choices import ChoiceFormat
 
 _FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
-           FinishReason.ERROR: "error"}
+           FinishReason.ERROR: "error", FinishReason.GRAMMAR_DEAD_END: "grammar_dead_end"}
 
 
 @dataclass

@@ -18,6 +18,7 @@ from server.chat_choices import choice_format
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Job
 from server.streaming import collect, stream_events
+from server.structured import structured_params
 from server.tools import plan_tools
 
 router = APIRouter()
@@ -95,6 +96,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=None, logprobs=body.logprobs,
                              top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
+    params = await structured_params(body, client, params)
     split = choice_format(client, prompt_ids, tools, request.app.state.config.reasoning_content)
     return await _respond(Job("chat", info.model_id, prompt_ids, params, _fingerprint(info),
                               include_usage=_include_usage(body), n=body.n, cache_salt=body.salt(),
@@ -111,6 +113,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=16,
                              logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
                              max_tokens=body.max_tokens)
+    params = await structured_params(body, client, params)
     echo = (body.prompt if isinstance(body.prompt, str) else "") if body.echo else ""
     if body.echo and not echo:
         echo = "".join(client.decode_token(t) for t in prompt_ids)
