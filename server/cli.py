@@ -44,7 +44,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="OpenAI-compatible LLM server on MLX with the "
                                                                "KVarN quantized KV cache.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,run,bench,kld}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,run,bench,kld,advise}")
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                            description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health "
@@ -133,6 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
     kld.add_argument("--prompts", type=int, default=8, help="number of shipped held-out prompts (max 10)")
     kld.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
     kld.add_argument("--tokens", type=int, default=2048, help="decode positions per prompt")
+    advise = sub.add_parser("advise", help="measure which KV layout to serve this model with",
+                            description="Teacher-force the model's own greedy continuations of shipped generic "
+                                        "prompts through every candidate layout (KVarN k8v8 ... k2v2, affine 8 "
+                                        "and 4); recommend the fewest bytes per token within a mean-KLD budget. "
+                                        "Writes advice.md, advice.json and advice.png, and stores the advice for "
+                                        "`kvarn serve --kv-layout auto`.")
+    advise.add_argument("model", nargs="?", default=None, help="local mlx-lm model folder (default: bundled)")
+    advise.add_argument("--max-kld", type=float, default=1e-2,
+                        help="budget: the recommended layout's mean KL divergence from fp16, in nats (default: "
+                             "%(default)g)")
+    advise.add_argument("--dtype", choices=_DTYPES, default="float32",
+                        help="compute dtype (default: %(default)s, so differences are the layouts' alone)")
+    advise.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
+    advise.add_argument("--arms", default=None, help="comma-separated candidates as for `kvarn kld` (default: KVarN "
+                                                     "k8v8, k4v4, k4v3, k3v3, k4v2, k3v2, k2v2, affine 8 and 4)")
+    advise.add_argument("--prompts", type=int, default=4, help="number of shipped prompts (default: %(default)s)")
+    advise.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt (default: %(default)s)")
+    advise.add_argument("--tokens", type=int, default=512,
+                        help="teacher-forced decode positions per prompt (default: %(default)s)")
+    advise.add_argument("--out", type=Path, default=Path("advice-out"), help="report folder (default: %(default)s)")
+    advise.add_argument("--no-store", action="store_true",
+                        help="do not store the advice for `kvarn serve --kv-layout auto`")
     kld.add_argument("--out", type=Path, default=Path("kld-out"), help="output folder")
     return parser
 
@@ -142,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     maybe_reexec_with_openblas(disabled=args.no_openblas)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"serve": _serve, "run": _run, "bench": _bench, "kld": _kld}[args.command](args)
+    return {"serve": _serve, "run": _run, "bench": _bench, "kld": _kld, "advise": _advise}[args.command](args)
 
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -304,6 +326,24 @@ def _kld(args: argparse.Namespace) -> int:
     with tqdm(total=config.gen_tokens, desc="kvarn kld", unit="pos", file=sys.stderr) as bar:
         results, fp16_bytes = run_kld(loaded, config, bar.update)
     print(write_reports(args.out, results, fp16_bytes, config, loaded.model_id))
+    return 0
+
+
+def _advise(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine import load_model
+    from engine.advise import CANDIDATES, AdviceConfig, advise, store, write_report
+
+    arms = tuple(a.strip() for a in args.arms.split(",")) if args.arms else CANDIDATES
+    config = AdviceConfig(max_kld=args.max_kld, arms=arms, num_prompts=args.prompts,
+                          prompt_tokens=args.prompt_tokens, gen_tokens=args.tokens)
+    loaded = load_model(args.model, args.dtype)
+    with tqdm(total=config.gen_tokens, desc="kvarn advise", unit="pos", file=sys.stderr) as bar:
+        advice = advise(loaded, config, bar.update)
+    print(write_report(args.out, advice))
+    if not args.no_store:
+        print(f"stored for `kvarn serve --kv-layout auto`: {store(advice)}")
     return 0
 
 
