@@ -6,6 +6,7 @@ This is the public API the server may use. Importing it imports MLX.
 from engine.constraints import Constraint, ConstraintError, GrammarSpec, tagged_json_lark
 from engine.bench import BenchConfig, BenchReport, run_bench
 from engine.chat_output import ChatFormat, OutputParser, ParsedCall, ParsedDelta
+from engine.tool_grammar import MAX_FORCED_CALLS, tool_call_grammar
 from engine.engine import Engine, make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.engine_client import EngineClient, EngineConfig, EngineNotReady, ModelInfo, RequestRejected
@@ -29,4 +30,5 @@ __all__ = [
     "FinishReason", "GrammarSpec", "KVConfig", "load_model", "LoadedModel", "make_engine", "MAX_TOP_LOGPROBS",
     "ModelInfo", "OutputParser", "ParsedCall", "ParsedDelta", "Request", "RequestId", "RequestOutput",
     "RequestRejected", "run_bench", "SamplingParams", "SchedulerConfig", "tagged_json_lark", "TokenLogprob",
+    "MAX_FORCED_CALLS", "tool_call_grammar",
 ]

@@ -153,8 +153,7 @@ class OutputParser:
         out = ParsedDelta()
         if state == _TOOL:
             self._tool_text += rest
-            if self._tool_text.strip():
-                self._close_call(out, closed=False)
+            self._close_call(out, closed=False)
         elif state == _REASONING:
             out.reasoning += rest
         else:

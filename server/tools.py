@@ -21,7 +21,7 @@ from typing import Any
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 
-from engine import ModelInfo
+from engine import Constraint, ConstraintError, EngineClient, ModelInfo, tool_call_grammar
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 
@@ -66,9 +66,6 @@ def plan_tools(body: ChatCompletionRequest, info: ModelInfo) -> ToolPlan:
                        code="invalid_value")
     rendered = [tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in body.tools]
     choice = body.tool_choice or "auto"
-    if choice == "required" or isinstance(choice, NamedToolChoice):  # needs grammar-constrained decoding
-        raise APIError(400, "tool_choice 'required' and a named function are not supported yet.",
-                       param="tool_choice", code="unsupported_value")
     parallel = body.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -78,6 +75,22 @@ def plan_tools(body: ChatCompletionRequest, info: ModelInfo) -> ToolPlan:
     if choice == "required":
         return ToolPlan(rendered, True, tuple(names), None if parallel else 1, parameters)
     return ToolPlan(rendered, choice == "auto", (), None if parallel else 1, parameters)
+
+
+async def forced_calls_constraint(client: EngineClient, info: ModelInfo, plan: ToolPlan) -> Constraint:
+    """The compiled grammar that makes the output ``plan.forced``'s calls in the model's format,
+    their arguments valid under the tools' schemas (a 400 if the model's format or a schema
+    cannot be forced)."""
+    try:
+        spec = tool_call_grammar(info.chat_format, [p for p in plan.parameters if p[0] in plan.forced],
+                                 plan.max_calls)
+    except ConstraintError as exc:
+        raise APIError(400, str(exc), param="tool_choice", code="unsupported_value") from exc
+    try:
+        return await client.compile_constraint(spec)
+    except ConstraintError as exc:  # a schema the grammar engine refuses (or that no output can meet)
+        raise APIError(400, f"The tools' parameter schemas cannot be enforced: {exc}", param="tools",
+                       code="invalid_function_parameters") from exc
 
 
 def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) -> dict[str, Any]:

@@ -114,6 +114,7 @@ def test_calls_are_read_whole_however_the_text_arrives(tokenizer, step):
 def test_text_that_is_not_a_call_comes_back_as_content(tokenizer, step):
     text = "a <tool_call>\nnot json\n</tool_call> b <tool_call>{\"name\": \"x\""
     assert split(tokenizer, text, step) == (text, "", [])
+    assert split(tokenizer, f"{CALL}\n<tool_call>", step)[0] == "\n<tool_call>"  # cut off after a marker
 
 
 def test_without_parsing_calls_stay_in_the_content(tokenizer):
