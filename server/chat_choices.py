@@ -35,9 +35,16 @@ class ChoiceFormat:
 
     make_parser: Callable[[], OutputParser] | None = None
     max_calls: int | None = None
+    reads_calls: bool = False
 
     def start(self) -> ChoiceText:
         return ChoiceText(self.make_parser() if self.make_parser is not None else None, self.max_calls)
+
+    def role_delta(self) -> dict[str, Any]:
+        """A stream's first delta: content "" (as vLLM), or null where the answer may be calls
+        alone (as OpenAI starts its tool-call streams), so the SDK assembles what the
+        non-streamed message says."""
+        return {"role": "assistant", "content": None if self.reads_calls else ""}
 
 
 def choice_format(client: EngineClient, prompt_ids: list[int], plan: ToolPlan, reasoning: bool) -> ChoiceFormat:
@@ -50,7 +57,7 @@ def choice_format(client: EngineClient, prompt_ids: list[int], plan: ToolPlan, r
     def make_parser() -> OutputParser:
         return client.output_parser(prompt_ids, tools=plan.tools, parse_tools=plan.parse, reasoning=reasoning)
 
-    return ChoiceFormat(make_parser, plan.max_calls)
+    return ChoiceFormat(make_parser, plan.max_calls, plan.parse)
 
 
 @dataclass

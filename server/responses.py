@@ -81,13 +81,8 @@ def _header(job: Job, object_name: str) -> dict[str, Any]:
 
 
 def chunk(job: Job, text: str | None, finish: str | None, logprobs: dict[str, Any] | None,
-          role: bool = False, index: int = 0) -> dict[str, Any]:
-    """One streamed chunk with one choice (``text`` None sends an empty delta)."""
-    if job.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        if text:
-            delta["content"] = text
-        return chat_chunk(job, delta, finish, logprobs, index)
+          index: int = 0) -> dict[str, Any]:
+    """One streamed legacy-completions chunk with one choice (chat: ``chat_chunk``)."""
     choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {**_header(job, "text_completion"), "choices": [choice]}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,7 +19,7 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Job
 from server.streaming import collect, stream_events
 from server.structured import structured_params
-from server.tools import forced_calls_constraint, plan_tools
+from server.tools import force_calls, plan_tools
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -99,7 +98,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                              top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
     params = await structured_params(body, client, params)
     if tools.forced:  # required / named: the grammar makes the calls
-        params = replace(params, constraint=await forced_calls_constraint(client, info, tools))
+        params = await force_calls(client, info, tools, params)
     split = choice_format(client, prompt_ids, tools, request.app.state.config.reasoning_content)
     return await _respond(Job("chat", info.model_id, prompt_ids, params, _fingerprint(info),
                               include_usage=_include_usage(body), n=body.n, cache_salt=body.salt(),

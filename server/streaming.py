@@ -51,7 +51,7 @@ async def stream_events(job: Job, client: EngineClient, metrics: Metrics) -> Asy
     try:
         for index in range(job.n):
             if job.kind == "chat":
-                yield _event(chunk(job, None, None, None, role=True, index=index))
+                yield _event(chat_chunk(job, job.choice_format.role_delta(), None, None, index=index))
             elif job.echo_text:
                 yield _event(chunk(job, job.echo_text, None, None, index=index))
         async for output in _generate(job, client):

@@ -21,9 +21,10 @@ from typing import Any
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import Draft202012Validator, validator_for
 
-from engine import Constraint, ConstraintError, EngineClient, ModelInfo, tool_call_grammar
+from engine import ConstraintError, EngineClient, ModelInfo, SamplingParams, tool_call_grammar
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from server.structured import attach_constraint
 
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -77,20 +78,20 @@ def plan_tools(body: ChatCompletionRequest, info: ModelInfo) -> ToolPlan:
     return ToolPlan(rendered, choice == "auto", (), None if parallel else 1, parameters)
 
 
-async def forced_calls_constraint(client: EngineClient, info: ModelInfo, plan: ToolPlan) -> Constraint:
-    """The compiled grammar that makes the output ``plan.forced``'s calls in the model's format,
-    their arguments valid under the tools' schemas (a 400 if the model's format or a schema
-    cannot be forced)."""
+async def force_calls(client: EngineClient, info: ModelInfo, plan: ToolPlan, params: SamplingParams) -> SamplingParams:
+    """``params`` constrained to ``plan.forced``'s calls in the model's format, their arguments
+    valid under the tools' schemas: a 400 if the model's format cannot be forced, a schema cannot
+    be enforced, or the request already constrains its output (``response_format``, ``guided_*``)."""
+    if params.constraint is not None:
+        raise APIError(400, "tool_choice 'required' or a named function makes the output tool calls; it cannot be "
+                            "combined with response_format or guided_* fields.", param="tool_choice",
+                       code="invalid_value")
     try:
         spec = tool_call_grammar(info.chat_format, [p for p in plan.parameters if p[0] in plan.forced],
                                  plan.max_calls)
     except ConstraintError as exc:
         raise APIError(400, str(exc), param="tool_choice", code="unsupported_value") from exc
-    try:
-        return await client.compile_constraint(spec)
-    except ConstraintError as exc:  # a schema the grammar engine refuses (or that no output can meet)
-        raise APIError(400, f"The tools' parameter schemas cannot be enforced: {exc}", param="tools",
-                       code="invalid_function_parameters") from exc
+    return await attach_constraint(client, params, spec, "tools")
 
 
 def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
