@@ -1,7 +1,8 @@
 """A thinking variant of the bundled model, built in a temp folder for tests (nothing downloaded).
 
 The bundled tokenizer's reserved special tokens 4 and 5 become ``<think>`` and ``</think>`` (same
-ids, so the weights still fit), and the chat template opens a think block in the generation
+ids, so the weights still fit; added tokens that are not special, as in Qwen3's tokenizer), and
+the chat template opens a think block in the generation
 prompt when ``enable_thinking`` is on (mlx-lm passes ``enable_thinking=True`` to templates of
 models with think tokens), as Qwen3's does. The weights are a symlink to the bundled ones.
 """
@@ -32,7 +33,8 @@ def make_think_model(folder: Path) -> Path:
     for old, new in _RENAMES.items():
         vocab[new] = vocab.pop(old)
     for token in tokenizer["added_tokens"]:
-        token["content"] = _RENAMES.get(token["content"], token["content"])
+        if token["content"] in _RENAMES:  # added but not special, as Qwen3's think tokens are
+            token["content"], token["special"] = _RENAMES[token["content"]], False
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
     (folder / "chat_template.jinja").write_text(_TEMPLATE)
     return folder
