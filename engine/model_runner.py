@@ -124,7 +124,9 @@ class ModelRunner:
         """Prefill the plan's chunks, decode its rows, sample every row that ends the step with
         logits. Constrained rows' masks are computed on the mask worker meanwhile
         (``engine/grammar_rows.py``): the step's forward is dispatched before the engine thread
-        waits for them, and unconstrained rows sample exactly as they would without them."""
+        waits for them, and unconstrained rows sample exactly as they would without them. The
+        decode forward is dispatched (``async_eval``) before the sampling graphs are built whether
+        or not a row is constrained, so both kinds of step run the same way."""
         self.free(plan.freed)
         job = None
         try:
@@ -133,7 +135,7 @@ class ModelRunner:
             for chunk in plan.prefills:
                 self._prefill(chunk, requests, logits)
             if plan.decodes:
-                self._decode(plan.decodes, requests, logits, dispatch=job is not None)
+                self._decode(plan.decodes, requests, logits)
             masks = job.result() if job is not None else {}
             pending: dict[RequestId, SampleArrays] = {}
             ended = {}
@@ -181,21 +183,19 @@ class ModelRunner:
             out[request_id] = logits
 
     def _decode(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
-                out: dict[RequestId, mx.array], dispatch: bool) -> None:
-        """The rows' next logits; ``dispatch`` starts computing them now (masks are awaited next)."""
+                out: dict[RequestId, mx.array]) -> None:
+        """The rows' next logits, already being computed when this returns (masks are awaited next)."""
         if not self.batch_decode:
             for request_id in ids:
                 row = self.rows[request_id]
                 tokens = mx.array(requests[request_id].output_ids[-1:], dtype=mx.int32)[None]
                 out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
-            if dispatch:
-                mx.async_eval([out[i] for i in ids])
+            mx.async_eval([out[i] for i in ids])
             return
         self.batch.sync(ids, self.rows)
         tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
         logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
-        if dispatch:
-            mx.async_eval(logits)
+        mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
             out[request_id] = logits[b]
 
