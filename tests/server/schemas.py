@@ -1,8 +1,9 @@
 """JSON schemas the structured-output tests generate against: nested objects, arrays with
 minItems/maxItems, enums, const, anyOf, numbers and integers with (exclusive) bounds, booleans,
 nulls, additionalProperties false, required and optional fields, patterns, $defs/$ref, prefixItems.
-Strings carry a maxLength (or a pattern) so a 29M model at temperature 1 ends within the test's
-max_tokens; the grammar enforces every keyword listed."""
+Strings carry a maxLength (or a pattern) and numbers a multipleOf, so a 29M model at
+temperature 1 ends within the test's max_tokens (digits are single tokens: an unbounded
+fraction can run on); the grammar enforces every keyword listed."""
 
 from __future__ import annotations
 
@@ -33,19 +34,20 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "mixed_enum": {"enum": ["yes", "no", 1, 2.5, True, None]},
     "const": closed({"kind": {"const": "event"}, "n": integer(0, 5)}),
     "anyof_scalars": {"anyOf": [integer(0, 100), {"type": "boolean"}, {"type": "null"}]},
-    "anyof_objects": {"anyOf": [closed({"circle": {"type": "number", "minimum": 0, "maximum": 10}}),
+    "anyof_objects": {"anyOf": [closed({"circle": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.5}}),
                                 closed({"square": integer(0, 10)})]},
-    "number_bounds": closed({"lat": {"type": "number", "minimum": -90, "maximum": 90},
-                             "lon": {"type": "number", "minimum": -180, "maximum": 180}}),
-    "exclusive_bounds": closed({"p": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "number_bounds": closed({"lat": {"type": "number", "minimum": -90, "maximum": 90, "multipleOf": 0.0001},
+                             "lon": {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.0001}}),
+    "exclusive_bounds": closed({"p": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
+                                      "multipleOf": 0.01},
                                 "k": {"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 20}}),
     "integer_only": integer(-1000, 1000),
     "booleans": closed({"a": {"type": "boolean"}, "b": {"type": "boolean"}}),
     "nullable": closed({"note": {"type": ["string", "null"], "maxLength": 16},
                         "score": {"type": ["integer", "null"], "minimum": 0, "maximum": 10}}),
     "null_only": closed({"nothing": {"type": "null"}}),
-    "optional_fields": closed({"title": NAME, "pages": integer(1, 999), "isbn": {"type": "string", "pattern": "^[0-9]{10}$"}},
-                              required=["title"]),
+    "optional_fields": closed({"title": NAME, "pages": integer(1, 999),
+                               "isbn": {"type": "string", "pattern": "^[0-9]{10}$"}}, required=["title"]),
     "string_lengths": closed({"code": {"type": "string", "minLength": 3, "maxLength": 5}}),
     "string_pattern": closed({"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
                               "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"}}),

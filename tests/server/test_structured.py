@@ -164,7 +164,8 @@ def test_invalid_schemas_are_400s_before_any_token(http: httpx.Client, case: str
 
 
 @pytest.mark.parametrize("response_format, param", [
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "bogus": 1}}, "response_format.json_schema.bogus"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "bogus": 1}},
+     "response_format.json_schema.bogus"),
     ({"type": "json_object", "extra": True}, "response_format.extra"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
     ({"type": "json_schema"}, "response_format"),
