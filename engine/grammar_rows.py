@@ -74,7 +74,7 @@ class RowGrammars:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.matchers: dict[RequestId, LLMatcher] = {}
-        self.mask_vocab = vocab_size  # llguidance's vocabulary (>= the model's): one compiler per engine
+        self.widths: dict[RequestId, int] = {}  # each row's mask width: llguidance's vocabulary (>= the model's)
         self.stats = MaskStats()
         self._pool: ThreadPoolExecutor | None = None  # made on first use: unconstrained servers start no thread
         self._executor: LLExecutor | None = None
@@ -90,7 +90,7 @@ class RowGrammars:
                 if constraint is None:
                     continue
                 matcher = self.matchers[request_id] = constraint.new_matcher()
-                self.mask_vocab = constraint.mask_vocab
+                self.widths[request_id] = constraint.mask_vocab
             rows.append((request_id, matcher))
         if not rows:
             return None
@@ -100,20 +100,23 @@ class RowGrammars:
         return MaskJob(self._pool.submit(self._fill, rows), self.stats)
 
     def _fill(self, rows: list[tuple[RequestId, LLMatcher]]) -> dict[RequestId, np.ndarray | None]:
-        """The worker: every row's mask in one llguidance call, unpacked to bools."""
+        """The worker: the rows' masks in one llguidance call per mask width (one, unless
+        constraints were compiled for different vocabularies), unpacked to bools."""
         start = time.perf_counter()
-        words = allocate_token_bitmask(len(rows), self.mask_vocab)
-        fill_next_token_bitmask_par(self._executor, [(m, k) for k, (_, m) in enumerate(rows)], words)
-        allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool)
-        allowed = _fit(allowed, self.vocab_size)
         masks: dict[RequestId, np.ndarray | None] = {}
-        for k, (request_id, matcher) in enumerate(rows):
-            if matcher.is_error() or not allowed[k].any():
-                logger.warning("constrained row %s has no allowed token: %s", request_id,
-                               matcher.get_error() or "empty mask")
-                masks[request_id] = DEAD_END
-            else:
-                masks[request_id] = allowed[k]
+        for width in sorted({self.widths[request_id] for request_id, _ in rows}):
+            group = [(request_id, m) for request_id, m in rows if self.widths[request_id] == width]
+            words = allocate_token_bitmask(len(group), width)
+            fill_next_token_bitmask_par(self._executor, [(m, k) for k, (_, m) in enumerate(group)], words)
+            allowed = _fit(np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool),
+                           self.vocab_size)
+            for k, (request_id, matcher) in enumerate(group):
+                if matcher.is_error() or not allowed[k].any():
+                    logger.warning("constrained row %s has no allowed token: %s", request_id,
+                                   matcher.get_error() or "empty mask")
+                    masks[request_id] = DEAD_END
+                else:
+                    masks[request_id] = allowed[k]
         self.stats.masks += len(rows)
         self.stats.mask_s += time.perf_counter() - start
         return masks
@@ -135,6 +138,7 @@ class RowGrammars:
     def free(self, request_ids: Iterable[RequestId]) -> None:
         for request_id in request_ids:
             self.matchers.pop(request_id, None)
+            self.widths.pop(request_id, None)
 
 
 def _fit(allowed: np.ndarray, vocab_size: int) -> np.ndarray:

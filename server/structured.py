@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from engine import ConstraintError, EngineClient, EngineNotReady, GrammarSpec, SamplingParams
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from server.protocol import _Sampling
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -31,7 +31,7 @@ def requested_grammar(body: _Sampling) -> tuple[GrammarSpec, str] | None:
     """The grammar a request's structured-output fields ask for, with the field that asked (for
     its 400s); None for free text. Two constraining fields at once are a 400."""
     asked: list[tuple[GrammarSpec, str]] = []
-    fmt = body.response_format if isinstance(body, (ChatCompletionRequest, CompletionRequest)) else None
+    fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type == "json_object":
         asked.append((GrammarSpec.json_object(), "response_format"))
     elif fmt is not None and fmt.json_schema is not None:
