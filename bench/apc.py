@@ -42,7 +42,9 @@ Per layout in ``--schemes`` (default ``kvarn,fp16,affine``: KVarN k4v2, unquanti
    first served, so turns interleave round-robin as agents' do. The same workload runs against a
    server with the prefix cache (memory tier, defaults) and one with ``--no-apc``; hit rate =
    sum of ``usage.prompt_tokens_details.cached_tokens`` / sum of ``usage.prompt_tokens``,
-   cross-checked with the deltas of ``GET /v1/cache/stats``.
+   cross-checked with the deltas of ``GET /v1/cache/stats``. ``--tool-calls`` makes the turns
+   real tool calls (``bench/agent_tools.py``): tools on every request, a forced call after each
+   user message, its result sent back as the next (tool) message, by ``tool_call_id``.
 
 Writes ``--json-out`` (bench/results/apc.json) and ``--md-out`` (bench/results/apc.md), prints
 the markdown tables. Server logs go to ``bench/out/`` (git-ignored).
@@ -51,6 +53,7 @@ the markdown tables. Server logs go to ``bench/out/`` (git-ignored).
     python bench/apc.py --schemes kvarn                  # one layout (~6 min)
     python bench/apc.py --prompts 2 --repeats 3 --conversations 2 --turns 6   # shorter
     python bench/apc.py --skip-ttft --conversations 8    # the agent workload alone, 8 x 8 (~10 min)
+    python bench/apc.py --skip-ttft --tool-calls         # the agent workload with real tool-call turns
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from typing import Any
 
 import httpx
 
+import agent_tools  # bench/agent_tools.py: --tool-calls
 from sse import sse_messages  # bench/sse.py (this script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -299,6 +303,7 @@ class Result:
     completion_tokens: int
     text: str
     finish_reason: str | None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 async def stream_request(client: httpx.AsyncClient, route: str, body: dict[str, Any]) -> Result:
@@ -309,6 +314,7 @@ async def stream_request(client: httpx.AsyncClient, route: str, body: dict[str, 
     first = None
     usage: dict[str, Any] | None = None
     parts: list[str] = []
+    calls: dict[int, dict[str, Any]] = {}
     finish = None
     async with client.stream("POST", route, json=body) as r:
         if r.status_code != 200:
@@ -320,7 +326,8 @@ async def stream_request(client: httpx.AsyncClient, route: str, body: dict[str, 
             usage = msg.get("usage") or usage
             for choice in msg.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                if piece or choice.get("finish_reason"):
+                agent_tools.assemble(calls, (choice.get("delta") or {}).get("tool_calls") if chat else None)
+                if piece or choice.get("finish_reason") or calls:
                     first = first or time.perf_counter()
                 if piece:
                     parts.append(piece)
@@ -330,7 +337,7 @@ async def stream_request(client: httpx.AsyncClient, route: str, body: dict[str, 
         raise BenchError(f"POST {route}: no usage chunk in the stream (stream_options.include_usage)")
     return Result((first or end) - t0, end - t0, usage["prompt_tokens"],
                   (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-                  usage["completion_tokens"], "".join(parts), finish)
+                  usage["completion_tokens"], "".join(parts), finish, [calls[i] for i in sorted(calls)])
 
 
 async def get_json(client: httpx.AsyncClient, route: str) -> dict[str, Any]:
@@ -555,7 +562,9 @@ async def agent_run(args: argparse.Namespace, server: Server, tokens: Tokens, sy
         async def converse(conv: Conversation) -> None:
             messages = [dict(m) for m in conv.messages]
             for turn, (role, content) in enumerate(conv.pending):
-                candidate = messages + [{"role": role, "content": content}]
+                message = agent_tools.turn_message(role, content, messages) if args.tool_calls else \
+                    {"role": role, "content": content}
+                candidate = messages + [message]
                 estimate = tokens.chat_tokens(candidate)
                 if estimate > args.agent_max_prompt_tokens or estimate + args.agent_max_tokens > context:
                     stops[conv.index] = f"before turn {turn + 1}: prompt would be ~{estimate} tokens"
@@ -565,11 +574,11 @@ async def agent_run(args: argparse.Namespace, server: Server, tokens: Tokens, sy
                     start = time.perf_counter() - t0
                     res = await stream_request(client, "/v1/chat/completions", {
                         "model": model, "messages": messages, "max_tokens": args.agent_max_tokens,
-                        "temperature": 0})
-                records.append(record(res, conv=conv.index, turn=turn + 1, role=role, estimate=estimate,
+                        "temperature": 0, **(agent_tools.request_fields(messages) if args.tool_calls else {})})
+                records.append(record(res, conv=conv.index, turn=turn + 1, role=message["role"], estimate=estimate,
                                       finish_reason=res.finish_reason, start_s=round(start, 3),
-                                      end_s=round(time.perf_counter() - t0, 3)))
-                messages = messages + [{"role": "assistant", "content": res.text}]
+                                      end_s=round(time.perf_counter() - t0, 3), tool_calls=len(res.tool_calls)))
+                messages = messages + [agent_tools.reply_message(res.text, res.tool_calls)]
             stops[conv.index] = f"after {len(conv.pending)} turns"
 
         before = await get_json(client, "/v1/cache/stats")
@@ -580,6 +589,7 @@ async def agent_run(args: argparse.Namespace, server: Server, tokens: Tokens, sy
 
     records.sort(key=lambda r: (r["conv"], r["turn"]))
     firsts = [tokens.chat_ids([*c.messages, {"role": c.pending[0][0], "content": c.pending[0][1]}]) for c in convs]
+    calls = sum(r["tool_calls"] for r in records)
     common = min(len(f) for f in firsts)
     for f in firsts[1:]:
         common = next((i for i, (a, b) in enumerate(zip(firsts[0][:common], f)) if a != b), common)
@@ -604,7 +614,7 @@ async def agent_run(args: argparse.Namespace, server: Server, tokens: Tokens, sy
                  "stats_lookups": delta["lookups"], "requests": len(records),
                  "agree": delta["hit_tokens"] == cached and delta["query_tokens"] == prompt
                  and delta["lookups"] == len(records)}
-    return {"requests": len(records), "prompt_tokens": prompt, "cached_tokens": cached,
+    return {"requests": len(records), "prompt_tokens": prompt, "cached_tokens": cached, "tool_calls": calls,
             "completion_tokens": sum(r["completion_tokens"] for r in records),
             "hit_rate": cached / prompt if prompt else 0.0, "wall_s": round(wall, 2),
             "reusable_bound_tokens": bound, "bound_rate": bound / prompt if prompt else 0.0,
@@ -632,8 +642,8 @@ async def agent_scheme(args: argparse.Namespace, servers: Servers, scheme: str, 
                     block_size = (await get_json(client, "/v1/cache/stats")).get("block_size") or block_size
             log(f"agent {scheme} {mode}: {len(convs)} conversations x up to {args.turns} turns, "
                 f"concurrency {args.agent_concurrency}")
-            run = await agent_run(args, server, tokens, system, convs, model["context_length"], model["id"],
-                                  block_size)
+            run = await agent_run(args, server, agent_tools.TemplateTokens(args.model_dir) if args.tool_calls
+                                  else tokens, system, convs, model["context_length"], model["id"], block_size)
         finally:
             out[f"{mode}_stop"] = servers.stop(server)
         run["server_flags"] = [*flags, *extra]
@@ -750,6 +760,13 @@ def agent_lines(report: dict[str, Any]) -> list[str]:
              f"in whole blocks (turn 1: the blocks of the prefix every conversation shares, "
              f"{report.get('shared_turn1_prefix_tokens', '?')} tokens, none for the first conversation sent; "
              f"later turns: the blocks of the conversation's previous prompt + reply).", ""]
+    if a.get("tool_calls"):
+        lines[-1:-1] = ["", f"With real tool calls (`--tool-calls`): every request carries {len(agent_tools.TOOLS)} "
+                        f"tools; a request after a user message forces one call (`tool_choice: required`), whose "
+                        f"result is the next (tool) message, answered by `tool_call_id`; after a result, "
+                        f"`tool_choice: auto`. Calls made: "
+                        + ", ".join(f"{g['label']} {g['apc']['tool_calls']} / {g['no_apc']['tool_calls']}"
+                                    for g in report["agent"]) + " (cache on / off).", ""]
     lines += table(["layout", "prefix cache", "requests", "prompt tokens", "cached tokens", "hit rate",
                     "reusable (hit rate bound)", "/v1/cache/stats hit / query tokens", "mean TTFT ms", "wall s"])
     for g in report["agent"]:
@@ -819,6 +836,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--agent-max-tokens", type=int, default=64)
     ap.add_argument("--agent-max-prompt-tokens", type=int, default=3200)
     ap.add_argument("--agent-concurrency", type=int, default=4)
+    ap.add_argument("--tool-calls", action="store_true",
+                    help="agent turns with real tool calls: tools on every request, a forced call after each user "
+                         "message, its result sent back as a tool message (bench/agent_tools.py)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", type=Path, default=BUNDLED,
                     help="folder of the served model (its tokenizer.json cuts prompts to length)")

@@ -8,7 +8,7 @@ agent loop starts with the same system turn, whatever it asks):
 |---|---|
 | ``auto`` (the default with tools) | free; calls in the model's format are read out (mlx-lm's parser) |
 | ``none`` | free; nothing is read as a call: the text stays in ``content`` (vLLM's behaviour) |
-| ``required`` | constrained to one or more calls (one with ``parallel_tool_calls: false``) of the given tools, arguments valid under their schemas |
+| ``required`` | constrained to 1 to ``MAX_FORCED_CALLS`` calls (one with ``parallel_tool_calls: false``) of the given tools, arguments valid under their schemas |
 | ``{"type": "function", "function": {"name": ...}}`` | constrained to one call of that function |
 """
 
@@ -26,9 +26,6 @@ from server.errors import APIError
 from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from server.structured import attach_constraint
 
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request asks of tool calling. ``tools``: OpenAI's function tools as the
@@ -40,7 +37,7 @@ class ToolPlan:
     parse: bool = False
     forced: tuple[str, ...] = ()
     max_calls: int | None = None
-    parameters: tuple[tuple[str, dict[str, Any]], ...] = ()  # (name, parameters schema) per tool
+    parameters: tuple[tuple[str, dict[str, Any] | None], ...] = ()  # (name, parameters schema) per tool
 
 
 def plan_tools(body: ChatCompletionRequest, info: ModelInfo) -> ToolPlan:
@@ -94,10 +91,11 @@ async def force_calls(client: EngineClient, info: ModelInfo, plan: ToolPlan, par
     return await attach_constraint(client, params, spec, "tools")
 
 
-def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
-    """A function's ``parameters``: a valid JSON Schema for an object (OpenAI's rule)."""
+def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A function's ``parameters``: a valid JSON Schema for an object (OpenAI's rule), or None
+    (no parameters)."""
     if schema is None:
-        return _EMPTY_PARAMETERS
+        return None
     param = f"tools[{index}].function.parameters"
     try:
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
