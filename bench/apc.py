@@ -36,8 +36,10 @@ Per layout in ``--schemes`` (default ``kvarn,fp16,affine``: KVarN k4v2, unquanti
    ``/v1/chat/completions`` (streamed, ``max_tokens`` ``--agent-max-tokens``, temperature 0). All
    share one ~``--system-tokens`` system prompt; turn 1 is a user task, each later turn appends
    the assistant's reply and a new tool or user message of ``--message-tokens`` (100-300) tokens
-   from the text pool. A conversation stops before its prompt would pass
-   ``--agent-max-prompt-tokens`` or its prompt + ``max_tokens`` the context. Each conversation
+   from the text pool (a tool result with no call to answer, as in every turn without
+   ``--tool-calls``, is sent as a user message: a tool message needs a ``tool_call_id``). A
+   conversation stops before its prompt would pass ``--agent-max-prompt-tokens`` or its prompt
+   + ``max_tokens`` the context. Each conversation
    is a coroutine; at most ``--agent-concurrency`` requests are in flight, handed out first come
    first served, so turns interleave round-robin as agents' do. The same workload runs against a
    server with the prefix cache (memory tier, defaults) and one with ``--no-apc``; hit rate =
@@ -562,8 +564,7 @@ async def agent_run(args: argparse.Namespace, server: Server, tokens: Tokens, sy
         async def converse(conv: Conversation) -> None:
             messages = [dict(m) for m in conv.messages]
             for turn, (role, content) in enumerate(conv.pending):
-                message = agent_tools.turn_message(role, content, messages) if args.tool_calls else \
-                    {"role": role, "content": content}
+                message = agent_tools.turn_message(role, content, messages)
                 candidate = messages + [message]
                 estimate = tokens.chat_tokens(candidate)
                 if estimate > args.agent_max_prompt_tokens or estimate + args.agent_max_tokens > context:
