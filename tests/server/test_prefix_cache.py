@@ -564,7 +564,8 @@ class _FakeClient:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not add_generation_prompt and len(messages) == 1:
             if self.system_fails:
                 raise ValueError("this template cannot render a lone system turn")
