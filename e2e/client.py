@@ -58,6 +58,7 @@ class Outcome:
     text: str = ""
     finish_reason: str | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # a plain chat answer's logprobs.content
 
     @property
     def ok(self) -> bool:
@@ -119,6 +120,10 @@ async def _send_plain(client: httpx.AsyncClient, call: Call, model: str, outcome
                                                                call.body.get("max_tokens"))
     outcome.reasons += reasons
     outcome.take_usage(payload.get("usage") if isinstance(payload, dict) else None)
+    try:
+        outcome.logprobs = list(payload["choices"][0]["logprobs"]["content"] or [])
+    except (KeyError, IndexError, TypeError):
+        pass
 
 
 async def _send_stream(client: httpx.AsyncClient, call: Call, model: str, outcome: Outcome, start: float,
