@@ -127,6 +127,31 @@ def load_stored(fingerprint: str, folder: Path | None = None) -> Advice | None:
     return advice if advice.fingerprint == fingerprint else None
 
 
+# at start-up (``--kv-layout auto`` with no stored advice): half the prompts and positions of the
+# default, ~2 minutes for the bundled model on 2 CPU cores
+START_UP = AdviceConfig(num_prompts=2, prompt_tokens=256, gen_tokens=384)
+
+
+def auto_layout(loaded: LoadedModel, folder: Path | None = None,
+                config: AdviceConfig = START_UP) -> tuple[Any, dict[str, Any]]:
+    """(KVConfig, where it came from) for ``--kv-layout auto``: the stored advice for this model,
+    else measured now (``config``) and stored. Where it came from goes to ``/v1/models``."""
+    advice = load_stored(loaded.fingerprint, folder)
+    source = "stored advice"
+    if advice is None:
+        advice = advise(loaded, config)
+        source = f"measured at start-up in {advice.seconds:.0f} s"
+        try:
+            store(advice, folder)
+        except OSError as exc:  # a read-only cache folder: serve with the advice anyway
+            source += f" (not stored: {exc})"
+    row = next(r for r in advice.rows if r["arm"] == advice.arm)
+    return advice.kv_config(), {"chosen_by": "kvarn advise", "source": source, "arm": advice.arm,
+                                "max_kld": advice.config.max_kld, "mean_kld": row["mean_kld"],
+                                "within_budget": advice.within_budget,
+                                "path": str(stored_path(loaded.fingerprint, folder))}
+
+
 def to_markdown(advice: Advice) -> str:
     c = advice.config
     head = (f"`kvarn advise` on `{advice.model}` ({advice.measured_on}, {advice.seconds:.0f} s): {c.num_prompts} "

@@ -275,16 +275,23 @@ class EngineClient:
             from engine.loader import load_model
 
             loaded = load_model(self.config.model_path, self.config.dtype, self.config.model_id)
-            engine = make_engine(loaded, self.config.scheduler, self.config.kv, self.config.apc)
+            kv, chosen = self.config.kv, None
+            if kv.scheme == "auto":  # the layout kvarn advise recommends for this model
+                from engine.advise import START_UP, auto_layout
+
+                kv, chosen = auto_layout(loaded, config=replace(START_UP, num_prompts=kv.advise_prompts,
+                                                                gen_tokens=kv.advise_tokens))
+                logger.info("KV layout by kvarn advise: %s (%s)", chosen["arm"], chosen["source"])
+            engine = make_engine(loaded, self.config.scheduler, kv, self.config.apc)
             self._tokenizer = loaded.tokenizer
             self._compiler = ConstraintCompiler(loaded.tokenizer, loaded.vocab_size)
             self._cost, self._budget = engine.cost_alone, engine.kv_budget_bytes
             logger.info("KV layout %s; KV budget %s bytes (%.1f MiB); a full-context sequence costs %s bytes",
                         engine.layout.name, f"{self._budget:,}", self._budget / 2**20,
                         f"{engine.pricing.sequence_bytes(loaded.context_length):,}")
+            kv_cache = engine.describe_kv() | ({"layout_choice": chosen} if chosen else {})
             self.info = ModelInfo(loaded.model_id, loaded.context_length, loaded.fingerprint,
-                                  loaded.compute_dtype, engine.describe_kv(), loaded.vocab_size,
-                                  chat_format_of(loaded.tokenizer))
+                                  loaded.compute_dtype, kv_cache, loaded.vocab_size, chat_format_of(loaded.tokenizer))
             self._update_stats(engine)  # gauges (budgets, prefix cache) are right before any request
         except BaseException as exc:  # reported through /health; the server stays up to say so
             logger.exception("model load failed")

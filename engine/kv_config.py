@@ -8,13 +8,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KVConfig:
     """The KV layout asked for, in plain values. ``None`` key bits mean 4; ``None`` value bits
-    mean 2 for kvarn (k4v2) and the key width for affine (one width for both legs)."""
+    mean 2 for kvarn (k4v2) and the key width for affine (one width for both legs). Scheme
+    ``"auto"``: the layout ``kvarn advise`` recommends for the model (``engine/advise.py``),
+    resolved when the model is loaded."""
 
     scheme: str = "kvarn"
     key_bits: int | None = None
     value_bits: int | None = None
     tile: int = 128
     group_size: int = 64
+    advise_prompts: int = 2  # scheme "auto" without stored advice: what is measured at start-up
+    advise_tokens: int = 384
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                     help="value bits (overrides --kv-bits)")
     kv.add_argument("--kv-tile", type=int, default=128, choices=(64, 128), help="KVarN tile size G")
     kv.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128), help="affine group size")
+    kv.add_argument("--kv-layout", default=None, metavar="auto|SPEC",
+                    help="the layout in one word instead of the flags above: kvarn:kXvY[:gG], affine:B[:gG], fp16, "
+                         "or auto (serve only): the advice `kvarn advise` stored for this model, else measured "
+                         "once at start-up (about 2 minutes for the bundled model on 2 CPU cores) and stored")
+    kv.add_argument("--advise-prompts", type=int, default=2,
+                    help="--kv-layout auto without stored advice: prompts measured at start-up (default: %(default)s)")
+    kv.add_argument("--advise-tokens", type=int, default=384,
+                    help="--kv-layout auto without stored advice: decode positions a prompt (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +193,22 @@ def _size(text: str) -> int:
 def _kv_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after the re-exec)
     from engine import KVConfig
 
+    if args.kv_layout is not None:
+        flags = [f for f, v, default in (("--kv-scheme", args.kv_scheme, "kvarn"), ("--kv-bits", args.kv_bits, None),
+                                         ("--kv-key-bits", args.kv_key_bits, None),
+                                         ("--kv-value-bits", args.kv_value_bits, None)) if v != default]
+        if flags:
+            raise SystemExit(f"kvarn: --kv-layout names the whole layout; drop {', '.join(flags)}")
+        if args.kv_layout == "auto":
+            if args.command != "serve":
+                raise SystemExit("kvarn: --kv-layout auto is for `kvarn serve` (run `kvarn advise` to measure)")
+            return KVConfig("auto", advise_prompts=args.advise_prompts, advise_tokens=args.advise_tokens)
+        from engine.kld import parse_arm
+
+        try:
+            return parse_arm(args.kv_layout)
+        except ValueError as exc:
+            raise SystemExit(f"kvarn: --kv-layout: {exc}") from None
     key_bits = args.kv_key_bits or args.kv_bits
     value_bits = args.kv_value_bits or args.kv_bits
     if args.kv_scheme == "affine" and key_bits and value_bits and key_bits != value_bits:

@@ -194,3 +194,60 @@ def test_serve_exits_cleanly_after_serving_and_on_a_busy_port():
         out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-2000:]
     assert "terminate called" not in out
+
+
+def test_kv_layout_auto_uses_stored_advice_measures_once_per_model_and_reports_it(tmp_path):
+    """`--kv-layout auto`: the bundled model's stored advice is used as is (no measurement); another
+    model (a copy with another config, so another fingerprint) is measured at start-up and its
+    advice stored, which its second start reuses; /v1/models says which layout and where from."""
+    import json as _json
+    import os
+    import shutil
+    import signal
+
+    import httpx
+
+    from engine import BUNDLED_MODEL_DIR
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    advise = subprocess.run([sys.executable, "-m", "server.cli", "advise", "--arms", "kvarn:k8v8,kvarn:k2v2",
+                             "--prompts", "1", "--prompt-tokens", "300", "--tokens", "12", "--out",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=600, env=env)
+    assert advise.returncode == 0, advise.stderr[-2000:]
+    stored_arm = _json.loads((tmp_path / "out" / "advice.json").read_text())["arm"]
+    other = tmp_path / "other-model"
+    shutil.copytree(BUNDLED_MODEL_DIR, other)
+    config = _json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(_json.dumps({**config, "rope_theta": 20000.0}))
+
+    def serve(*args: str) -> dict:
+        port = _free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", *args, "--port", str(port), "--no-apc",
+                                 "--kv-layout", "auto", "--advise-prompts", "1", "--advise-tokens", "12"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            _wait_healthy(port, proc)
+            return httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["kv_cache"]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+
+    bundled = serve()
+    assert bundled["layout_choice"]["source"] == "stored advice" and bundled["layout_choice"]["arm"] == stored_arm
+    bits = stored_arm.split(":")[1]
+    assert f"k{bundled['key_bits']}v{bundled['value_bits']}" == bits
+    first = serve(str(other))
+    assert first["layout_choice"]["source"].startswith("measured at start-up")
+    assert first["layout_choice"]["path"] != bundled["layout_choice"]["path"]  # its own advice
+    again = serve(str(other))
+    assert again["layout_choice"]["source"] == "stored advice" and again["layout_choice"]["arm"] == first["layout_choice"]["arm"]
+    assert len(list((tmp_path / "cache" / "kvarn" / "advice").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kv-layout", "kvarn:k4v2", "--kv-bits", "4"], "drop --kv-bits"),
+    (["--kv-layout", "turbo"], "--kv-layout: bad arm"),
+])
+def test_kv_layout_conflicts_and_bad_specs_are_refused(args, message):
+    result = kvarn("serve", *args, timeout=60)
+    assert result.returncode != 0 and message in result.stderr
