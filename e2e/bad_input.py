@@ -55,7 +55,7 @@ def body_cases(ctx: Context) -> list[BadCase]:
         BadCase("invalid JSON", 400, raw=b'{"model": '),
         BadCase("empty body", 400, raw=b""),
         BadCase("JSON array body", 400, raw=b"[1, 2]"),
-        BadCase("JSON sent as text/plain", 400, raw=json.dumps(c).encode(), content_type="text/plain"),
+        BadCase("JSON sent as text/plain", 415, raw=json.dumps(c).encode(), content_type="text/plain"),
         BadCase("missing model", 400, _without(c, "model")),
         BadCase("missing messages", 400, _without(c, "messages")),
         BadCase("empty messages", 400, {**c, "messages": []}),

@@ -1,6 +1,7 @@
 """Stress and correctness run against a live kvarn server, over HTTP only.
 
-    python -m e2e.stress --base-url http://127.0.0.1:8123 --scheme fp16 --json out.json
+    kvarn stress --base-url http://127.0.0.1:8123 --scheme kvarn --bits k4v2 --json out.json
+    python -m e2e.stress ...    (the same, from any folder once kvarn is installed)
 
 Before any load it reads ``GET /v1/models`` and refuses to run (exit 3) when the served KV
 layout is not the one stated by ``--scheme``/``--bits``. Exit codes: 0 every check passed,
@@ -14,6 +15,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,17 +40,27 @@ class SetupError(Exception):
         self.code = code
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m e2e.stress", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_bits(text: str) -> tuple[int, int]:
+    """``--bits``: one width for keys and values (``4``), or both as the layouts write them (``k4v2``)."""
+    match = re.fullmatch(r"\s*(?:(\d+)|k(\d+)v(\d+))\s*", text.lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not bits: {text!r} (e.g. 4, or k4v2 for 4-bit keys and 2-bit values)")
+    if match[1] is not None:
+        return int(match[1]), int(match[1])
+    return int(match[2]), int(match[3])
+
+
+def build_parser(prog: str = "python -m e2e.stress") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8080", help="server root (default %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("KVARN_API_KEY") or None,
                    help="sent as 'Authorization: Bearer KEY' (default: $KVARN_API_KEY)")
     p.add_argument("--model", default=None, help="model id (default: the first one /v1/models lists)")
     p.add_argument("--scheme", required=True, choices=("kvarn", "affine", "fp16"),
                    help="the KV cache scheme the server must be serving")
-    p.add_argument("--bits", type=int, default=None, help="expected key and value bits (fp16: 16 or 32 "
-                                                          "accepted when not given; other schemes: any)")
+    p.add_argument("--bits", type=parse_bits, default=None, metavar="N|kXvY",
+                   help="expected key and value bits: one width (4) or keys and values apart (k4v2) (default: "
+                        "fp16: 16 or 32; other schemes: any)")
     p.add_argument("--key-bits", type=int, default=None, help="expected key bits")
     p.add_argument("--value-bits", type=int, default=None, help="expected value bits")
     p.add_argument("--scenario", action="append", choices=tuple(SCENARIOS), default=None,
@@ -67,8 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: list[str] | None, prog: str = "python -m e2e.stress") -> argparse.Namespace:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.bits is not None and (args.key_bits is not None or args.value_bits is not None):
         parser.error("--bits cannot be combined with --key-bits/--value-bits")
@@ -81,8 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def expected_bits(args: argparse.Namespace) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
     """Accepted key bits and value bits (None: any)."""
-    key = args.bits if args.bits is not None else args.key_bits
-    value = args.bits if args.bits is not None else args.value_bits
+    bits = (args.bits, args.bits) if isinstance(args.bits, int) else args.bits  # an int: the same for both
+    key = bits[0] if bits is not None else args.key_bits
+    value = bits[1] if bits is not None else args.value_bits
     default = FP16_BITS if args.scheme == "fp16" else None
     return ((key,) if key is not None else default), ((value,) if value is not None else default)
 
@@ -163,9 +176,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-async def amain(argv: list[str] | None = None) -> int:
+async def amain(argv: list[str] | None = None, prog: str = "python -m e2e.stress") -> int:
     """The CLI inside a running event loop: print the summary, write ``--json``, return the exit code."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     report = await run(args)
     if args.json is not None:
@@ -177,9 +190,10 @@ async def amain(argv: list[str] | None = None) -> int:
     return int(report["exit_code"])
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m e2e.stress") -> int:
+    """The runner's command line (``kvarn stress`` passes its own ``prog``)."""
     try:
-        return asyncio.run(amain(argv))
+        return asyncio.run(amain(argv, prog))
     except SystemExit as exc:  # argparse: --help and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 

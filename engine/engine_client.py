@@ -21,6 +21,7 @@ from engine.constraints import Constraint, ConstraintCompiler, GrammarSpec
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.kv_config import ApcConfig, KVConfig
+from engine.memory import release_memory
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ModelInfo:
     kv_cache: dict[str, Any]
     vocab_size: int
     chat_format: ChatFormat = field(default_factory=ChatFormat)  # think and tool-call markers (mlx-lm's)
+    max_token_chars: int = 0  # the most characters one token decodes to (0: unknown), for cheap length bounds
 
 
 class EngineNotReady(RuntimeError):
@@ -103,6 +105,7 @@ class EngineClient:
         self._cost: Callable[[int, int, int], int] | None = None
         self._budget: int | None = None
         self._stop = threading.Event()
+        self._used = False  # work ran since memory was last released (engine thread only)
         self._thread = threading.Thread(target=self._main, name="kvarn-engine", daemon=True)
 
     def start(self) -> None:
@@ -291,7 +294,8 @@ class EngineClient:
                         f"{engine.pricing.sequence_bytes(loaded.context_length):,}")
             kv_cache = engine.describe_kv() | ({"layout_choice": chosen} if chosen else {})
             self.info = ModelInfo(loaded.model_id, loaded.context_length, loaded.fingerprint,
-                                  loaded.compute_dtype, kv_cache, loaded.vocab_size, chat_format_of(loaded.tokenizer))
+                                  loaded.compute_dtype, kv_cache, loaded.vocab_size, chat_format_of(loaded.tokenizer),
+                                  max_token_chars(loaded.tokenizer))
             self._update_stats(engine)  # gauges (budgets, prefix cache) are right before any request
         except BaseException as exc:  # reported through /health; the server stays up to say so
             logger.exception("model load failed")
@@ -311,7 +315,11 @@ class EngineClient:
         try:
             command = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
+            if block and self._used:  # idle for _IDLE_WAIT_S after work: give its memory back
+                self._used = False
+                release_memory()
             return
+        self._used = True
         while True:
             for output in command(engine) or ():
                 self._dispatch(output)
@@ -322,6 +330,7 @@ class EngineClient:
         self._update_stats(engine)
 
     def _step(self, engine: Any) -> None:
+        self._used = True
         try:
             outputs = engine.step()
         except Exception:  # the runner already isolates row failures; this is a last resort
@@ -352,6 +361,19 @@ def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None)
         future.set_exception(exc)
     else:
         future.set_result(result)
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters any one token of ``tokenizer`` decodes to, plus one for a leading
+    space that decoding a token alone may drop (SentencePiece): a text of more than
+    ``n * max_token_chars`` characters has more than ``n`` tokens. 0 if the vocabulary cannot
+    be read (no bound)."""
+    try:
+        ids = tokenizer.get_vocab().values()
+        return max((len(tokenizer.decode([i])) for i in ids), default=-1) + 1
+    except Exception:  # noqa: BLE001 - a bound only: without it every prompt is tokenized
+        logger.warning("the vocabulary could not be read; no length bound before tokenizing", exc_info=True)
+        return 0
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:

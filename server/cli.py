@@ -1,4 +1,4 @@
-"""The ``kvarn`` command: ``serve``, ``run`` and ``bench``.
+"""The ``kvarn`` command: ``serve``, ``run``, ``bench``, ``kld``, ``advise`` and ``stress``.
 
 MLX is imported only after the OpenBLAS re-exec (``server.blas``), so every subcommand gets
 the fast BLAS on Linux when it is installed.
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from server.blas import maybe_reexec_with_openblas, openblas_active
-from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
 
 _DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
 _BITS = (2, 3, 4, 5, 6, 8)
@@ -26,23 +26,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "fixture-chat-29m-q8")
     p.add_argument("--dtype", choices=_DTYPES, default="auto",
                    help="compute dtype; 'auto' dequantizes to float32 on MLX's CPU backend (fastest there, "
-                        "measured) and keeps the stored weights on a GPU; 'native' always keeps them")
+                        "measured) and keeps the stored weights on a GPU; 'native' always keeps them (default: "
+                        "%(default)s)")
     p.add_argument("--no-openblas", action="store_true",
                    help="do not re-execute with Debian's OpenBLAS preloaded (also: KVARN_NO_OPENBLAS=1)")
     kv = p.add_argument_group("KV cache layout")
     kv.add_argument("--kv-scheme", choices=("kvarn", "affine", "fp16"), default="kvarn",
-                    help="kvarn (default), affine (mlx-lm QuantizedKVCache) or fp16 (unquantized)")
+                    help="kvarn, affine (mlx-lm QuantizedKVCache) or fp16 (unquantized) (default: %(default)s)")
     kv.add_argument("--kv-bits", type=int, default=None, choices=_BITS,
                     help="bits for keys and values (kvarn default: 4-bit keys, 2-bit values; affine: 4)")
-    kv.add_argument("--kv-key-bits", type=int, default=None, choices=_BITS, help="key bits (overrides --kv-bits)")
+    kv.add_argument("--kv-key-bits", type=int, default=None, choices=_BITS,
+                    help="key bits, overriding --kv-bits (default: --kv-bits)")
     kv.add_argument("--kv-value-bits", type=int, default=None, choices=_BITS,
-                    help="value bits (overrides --kv-bits)")
-    kv.add_argument("--kv-tile", type=int, default=128, choices=(64, 128), help="KVarN tile size G")
-    kv.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128), help="affine group size")
+                    help="value bits, overriding --kv-bits (default: --kv-bits)")
+    kv.add_argument("--kv-tile", type=int, default=128, choices=(64, 128),
+                    help="KVarN tile size G (default: %(default)s)")
+    kv.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
+                    help="affine group size (default: %(default)s)")
     kv.add_argument("--kv-layout", default=None, metavar="auto|SPEC",
                     help="the layout in one word instead of the flags above: kvarn:kXvY[:gG], affine:B[:gG], fp16, "
                          "or auto (serve only): the advice `kvarn advise` stored for this model, else measured "
-                         "once at start-up (about 2 minutes for the bundled model on 2 CPU cores) and stored")
+                         "once at start-up (about 2 minutes for the bundled model on 2 CPU cores) and stored "
+                         "(default: none: the flags above)")
     kv.add_argument("--advise-prompts", type=int, default=2,
                     help="--kv-layout auto without stored advice: prompts measured at start-up (default: %(default)s)")
     kv.add_argument("--advise-tokens", type=int, default=384,
@@ -52,7 +57,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="OpenAI-compatible LLM server on MLX with the "
                                                                "KVarN quantized KV cache.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,run,bench,kld,advise}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,run,bench,kld,advise,stress}")
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                            description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health "
@@ -65,10 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
                                                        f"(default: ${API_KEY_ENV})")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: folder name)")
     serve.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                       help="extra Host header name accepted on a loopback bind (repeatable)")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
-    serve.add_argument("--prefill-chunk-size", type=int, default=512, help="largest prompt chunk per step")
+                       help="extra Host header name accepted on a loopback bind (repeatable; default: loopback "
+                            "names only)")
+    serve.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
+                       help="browser origins (e.g. http://localhost:3000; comma-separated or repeated; '*' for any) "
+                            "allowed to call the API cross-origin: CORS headers and preflights for them, and their "
+                            "POSTs pass the Origin check (default: none: a cross-origin POST is refused with 403)")
+    serve.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                       help="largest request body (suffixes as --kv-budget-bytes); a larger one is refused with "
+                            "413 before it is read (default: %(default)s = 16MiB)")
+    serve.add_argument("--max-num-seqs", type=int, default=64,
+                       help="most sequences running at once (default: %(default)s)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                       help="token budget of one step (default: %(default)s)")
+    serve.add_argument("--prefill-chunk-size", type=int, default=512,
+                       help="largest prompt chunk per step (default: %(default)s)")
     serve.add_argument("--kv-budget-bytes", type=_size, default=None, metavar="BYTES",
                        help="KV cache budget that admission works within (suffixes K/M/G/KiB/MiB/GiB; default: "
                             "half the machine's memory less the weights, printed at start); a request reserves "
@@ -76,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "counted once); the prefix cache keeps what running requests leave of it and gives "
                             "it back when a request needs the room")
     serve.add_argument("--max-queue", type=int, default=1024,
-                       help="requests waiting for admission beyond this are refused with 429 and Retry-After")
+                       help="requests waiting for admission beyond this are refused with 429 and Retry-After "
+                            "(default: %(default)s)")
     apc = serve.add_argument_group(
         "automatic prefix cache",
         "Requests whose prompts share a prefix (a system prompt, a conversation so far, a document) reuse its "
@@ -99,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-reasoning-content", action="store_true",
                        help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
                             "splitting it out into 'reasoning_content' (models without think tokens: no effect)")
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="(default: %(default)s)")
 
     run = sub.add_parser("run", help="generate once and stream the text to the terminal",
                          description="One-shot generation without a server.")
@@ -164,10 +182,28 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--no-store", action="store_true",
                         help="do not store the advice for `kvarn serve --kv-layout auto`")
     kld.add_argument("--out", type=Path, default=Path("kld-out"), help="output folder")
+    sub.add_parser("stress", add_help=False, help="stress and check a running kvarn server over HTTP (the e2e "
+                                                  "runner: kvarn stress --help)")
+    for command in (serve, run, bench, kld, advise):
+        _show_defaults(command)
     return parser
 
 
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option's help says its default (those that already say it in words are left as they are)."""
+    for action in parser._actions:
+        if action.required or not action.option_strings or action.nargs == 0 or "default" in (action.help or ""):
+            continue
+        shown = "none" if action.default is None else "%(default)s"
+        action.help = f"{action.help or ''} (default: {shown})".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["stress"]:  # a client of a server: its own arguments, no MLX, no OpenBLAS re-exec
+        from e2e.stress import main as stress
+
+        return stress(argv[1:], prog="kvarn stress")
     args = build_parser().parse_args(argv)
     maybe_reexec_with_openblas(disabled=args.no_openblas)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
@@ -253,7 +289,9 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
                             scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
-        allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content)
+        allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
+        allowed_origins=tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()),
+        max_request_bytes=args.max_request_bytes)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine import EngineConfig
 
-from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_PORT
+from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
 
 
 def is_loopback(host: str) -> bool:
@@ -29,6 +29,8 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # browser origins allowed cross-origin (CORS), "*" for any
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get a 413, unread
     reasoning_content: bool = True  # a thinking model's <think> text goes to reasoning_content
 
     def validate(self) -> None:
@@ -36,6 +38,8 @@ class ServerConfig:
             raise ValueError(
                 f"refusing to listen on non-loopback host {self.host!r} without an API key: "
                 f"pass --api-key or set {API_KEY_ENV}")
+        if self.max_request_bytes < 1:
+            raise ValueError("--max-request-bytes must be at least 1")
 
     @staticmethod
     def api_key_from_env() -> str | None:

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 _TYPE_BY_STATUS = {
     400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
     404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-    429: "rate_limit_error", 503: "server_error",
+    415: "invalid_request_error", 429: "rate_limit_error", 503: "server_error",
 }
 
 
@@ -51,7 +51,13 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, _text(message), _text(param), code), status_code=status, headers=headers)
+
+
+def _text(value: str | None) -> str | None:
+    """``value`` made encodable as UTF-8: an error that echoes what a client sent must never fail
+    to encode (a lone surrogate is written as its escape)."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8") if value is not None else None
 
 
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none"})
@@ -82,6 +88,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"Missing required parameter: '{param}'.", param
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
+    if kind == "invalid_unicode":  # the body's own check (server/text_check.py) names the field itself
+        return str(first.get("msg", "invalid text")), (first.get("ctx") or {}).get("param")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"Invalid value for '{param}': {message}" if param else message), param
 
@@ -92,7 +100,11 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, (bytes, bytearray)):  # a body FastAPI did not read as JSON: its content type
+            kind = request.headers.get("content-type", "")
+            return error_response(415, f"Unsupported Content-Type {kind[:100]!r}: this route takes a JSON body; send "
+                                       "it with 'Content-Type: application/json'.", code="unsupported_media_type")
         message, param = _describe_validation(exc)
         return error_response(400, message, param, "invalid_value" if param else "invalid_request")
 
@@ -101,7 +113,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "Not found: no such route."
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, code=getattr(exc, "code", None),
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -7,11 +7,15 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from server.text_check import invalid_text_path
 
 MAX_STOP_STRINGS = 16
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256
+MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id (and int() of 5,000 digits raises)
 
 
 class _Strict(BaseModel):
@@ -133,6 +137,18 @@ class _Sampling(_Strict):
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     guided_grammar: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_text(cls, data: Any) -> Any:
+        """Every string of the body, keys included, must be Unicode text: JSON's ``\\ud800``
+        escapes give lone surrogates, which no tokenizer, template or response encoder takes."""
+        path = invalid_text_path(data)
+        if path is not None:
+            raise PydanticCustomError("invalid_unicode", "Invalid value for '{param}': a string holds a lone UTF-16 "
+                                      "surrogate (a \\ud800-\\udfff escape outside a pair), which is not text.",
+                                      {"param": path})
+        return data
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -148,7 +164,10 @@ class _Sampling(_Strict):
     def _check_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
             if not _TOKEN_ID.fullmatch(key):  # ASCII digits only: str.isdigit() accepts "²", int() does not
-                raise ValueError(f"logit_bias keys must be token ids, not {key!r}")
+                raise ValueError(f"logit_bias keys must be token ids, not {key[:40]!r}")
+            if len(key.lstrip("-")) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"logit_bias key {key[:20]}... ({len(key)} characters) is not a token id of this "
+                                 "vocabulary")
         return value
 
     @model_validator(mode="after")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -12,6 +15,7 @@ from sse_starlette import EventSourceResponse
 
 from engine import EngineClient, EngineNotReady, ModelInfo, RequestRejected, attention_in_force
 from server.errors import APIError, error_response
+from server.limits import check_text_bound, prompt_text_chars
 from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params, \
     system_prompt_end
 from server.chat_choices import choice_format
@@ -23,6 +27,19 @@ from server.tools import force_calls, plan_tools
 
 router = APIRouter()
 _STARTED = int(time.time())
+T = TypeVar("T")
+
+
+async def _off_loop(request: Request, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the app's prompt-building threads: a chat template or a tokenizer run on a
+    long text never holds up the event loop (the tokenizer releases the GIL)."""
+    return await asyncio.get_running_loop().run_in_executor(request.app.state.prepare, functools.partial(fn, *args))
+
+
+def _check_bound(body: ChatCompletionRequest | CompletionRequest, info: ModelInfo) -> None:
+    """The cheap length bound, before a prompt is rendered or tokenized."""
+    check_text_bound(prompt_text_chars(body), info.context_length, info.max_token_chars,
+                     "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
 
 
 def _ready(request: Request) -> tuple[EngineClient, ModelInfo]:
@@ -54,10 +71,23 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     _, info = _ready(request)
-    return {"object": "list", "data": [{
-        "id": info.model_id, "object": "model", "created": _STARTED, "owned_by": "kvarn",
-        "context_length": info.context_length, "compute_dtype": info.compute_dtype,
-        "fingerprint": info.fingerprint, "kv_cache": info.kv_cache, "attention": attention_in_force()}]}
+    return {"object": "list", "data": [_model_card(info)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    """One model (the SDK's ``models.retrieve``); ids may hold slashes (``org/name``)."""
+    _, info = _ready(request)
+    if model_id != info.model_id:
+        raise APIError(404, f"The model '{model_id}' does not exist. This server serves '{info.model_id}'.",
+                       param="model", code="model_not_found")
+    return _model_card(info)
+
+
+def _model_card(info: ModelInfo) -> dict[str, Any]:
+    return {"id": info.model_id, "object": "model", "created": _STARTED, "owned_by": "kvarn",
+            "context_length": info.context_length, "compute_dtype": info.compute_dtype,
+            "fingerprint": info.fingerprint, "kv_cache": info.kv_cache, "attention": attention_in_force()}
 
 
 @router.get("/metrics")
@@ -92,7 +122,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     check_model(body, info)
     check_unsupported(body)
     tools = plan_tools(body, info)
-    prompt_ids = chat_prompt_ids(body, client, tools.tools)
+    _check_bound(body, info)
+    prompt_ids = await _off_loop(request, chat_prompt_ids, body, client, tools.tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=None, logprobs=body.logprobs,
                              top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
@@ -102,7 +133,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     split = choice_format(client, prompt_ids, tools, request.app.state.config.reasoning_content)
     return await _respond(Job("chat", info.model_id, prompt_ids, params, _fingerprint(info),
                               include_usage=_include_usage(body), n=body.n, cache_salt=body.salt(),
-                              snapshot_at=system_prompt_end(body, prompt_ids, client, tools.tools),
+                              snapshot_at=await _off_loop(request, system_prompt_end, body, prompt_ids, client,
+                                                          tools.tools),
                               choice_format=split), body.stream, request)
 
 
@@ -111,7 +143,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     client, info = _ready(request)
     check_model(body, info)
     check_unsupported(body)
-    prompt_ids = completion_prompt_ids(body, info, client)
+    _check_bound(body, info)
+    prompt_ids = await _off_loop(request, completion_prompt_ids, body, info, client)
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=16,
                              logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
                              max_tokens=body.max_tokens)

@@ -1,8 +1,16 @@
-"""Auth and the DNS-rebinding guard, as one ASGI middleware in front of every route.
+"""Auth, the DNS-rebinding guard and the Origin check, as one ASGI middleware in front of every route.
 
-On a loopback bind, a request whose ``Host`` header names anything but a loopback name (or an
-``--allowed-host``) is refused: a web page that rebinds its own domain to 127.0.0.1 cannot
-reach the server. With an API key, ``/v1/*`` needs ``Authorization: Bearer <key>``.
+In this order:
+1. On a loopback bind, a request whose ``Host`` header names anything but a loopback name (or an
+   ``--allowed-host``) is refused: a web page that rebinds its own domain to 127.0.0.1 cannot
+   reach the server.
+2. A state-changing request (any method but GET and HEAD, CORS preflights included) that carries
+   an ``Origin`` other than the server's own and not in ``--allowed-origins`` is refused: a web
+   page elsewhere cannot make the browser POST to the server (a form POST needs no preflight).
+   Clients that are not browsers send no ``Origin`` and are not concerned.
+3. With an API key, ``/v1/*``, ``/docs``, ``/redoc`` and ``/openapi.json`` need
+   ``Authorization: Bearer <key>``; CORS preflights from allowed origins pass (browsers never send
+   credentials with them), and Starlette's CORS middleware behind this one answers them.
 """
 
 from __future__ import annotations
@@ -10,11 +18,35 @@ from __future__ import annotations
 import hmac
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 from server.config import ServerConfig, is_loopback
 from server.errors import error_body
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+_SAFE_METHODS = ("GET", "HEAD")
+_KEYED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _origin_authority(origin: str) -> str | None:
+    """``host:port`` of an ``Origin`` header (the scheme's default port written out), or None
+    for ``null`` and anything that is not an http(s) origin."""
+    try:
+        parts = urlsplit(origin.strip().lower())
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in _DEFAULT_PORTS or not parts.hostname:
+        return None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port or _DEFAULT_PORTS[parts.scheme]}"
+
+
+def _host_authority(host_header: str, scheme: str) -> str:
+    host = host_header.strip().lower()
+    has_port = host.rsplit("]", 1)[-1].count(":") == 1 if host.startswith("[") else host.count(":") == 1
+    return host if has_port else f"{host}:{_DEFAULT_PORTS.get(scheme, '80')}"
 
 
 def _host_name(host_header: str) -> str:
@@ -30,6 +62,8 @@ class SecurityMiddleware:
         self.api_key = config.api_key
         self.check_host = is_loopback(config.host)
         self.allowed = {*_LOOPBACK_NAMES, *(h.lower() for h in config.allowed_hosts)}
+        self.any_origin = "*" in config.allowed_origins
+        self.origins = {o.strip().lower().rstrip("/") for o in config.allowed_origins}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -40,15 +74,29 @@ class SecurityMiddleware:
             await _reply(send, 403, error_body(403, "Host header not allowed: the server is bound to loopback "
                                                     "and only answers loopback host names.", code="host_not_allowed"))
             return
-        if self.api_key and scope.get("path", "").startswith("/v1"):
+        origin = headers.get("origin")
+        allowed_origin = origin is not None and self._is_allowed_origin(origin)
+        method = scope.get("method", "GET")
+        if origin is not None and method not in _SAFE_METHODS and not allowed_origin \
+                and _origin_authority(origin) != _host_authority(headers.get("host", ""), scope.get("scheme", "http")):
+            await _reply(send, 403, error_body(403, "Cross-origin request refused: this Origin is not the server's "
+                                                    "own and not in kvarn serve --allowed-origins.",
+                                               code="origin_not_allowed"))
+            return
+        preflight = method == "OPTIONS" and allowed_origin and "access-control-request-method" in headers
+        if self.api_key and not preflight and scope.get("path", "").startswith(_KEYED_PREFIXES):
             token = headers.get("authorization", "")
             scheme, _, given = token.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+                cors = {"access-control-allow-origin": origin, "vary": "Origin"} if allowed_origin and origin else {}
                 await _reply(send, 401, error_body(401, "Incorrect or missing API key. Send it as "
                                                         "'Authorization: Bearer <key>'.", code="invalid_api_key"),
-                             {"www-authenticate": "Bearer"})
+                             {"www-authenticate": "Bearer", **cors})
                 return
         await self.app(scope, receive, send)
+
+    def _is_allowed_origin(self, origin: str) -> bool:
+        return self.any_origin or origin.strip().lower().rstrip("/") in self.origins
 
 
 async def _reply(send: Any, status: int, body: dict[str, Any], extra: dict[str, str] | None = None) -> None:

@@ -50,8 +50,10 @@ CASES = [
     Bad("array-body", CHAT, 400, None, "invalid_request", "must be a JSON object", body=[chat()]),
     Bad("string-body", COMPLETIONS, 400, None, "invalid_request", "must be a JSON object", body="hi"),
     Bad("number-body", CHAT, 400, None, "invalid_request", "must be a JSON object", body=42),
-    Bad("json-as-text-plain", CHAT, 400, None, "invalid_request", "must be a JSON object",
+    Bad("json-as-text-plain", CHAT, 415, None, "unsupported_media_type", "Content-Type 'text/plain'",
         raw=json.dumps({"model": MODEL_ID, "messages": MSGS}).encode(), headers={"content-type": "text/plain"}),
+    Bad("form-body", COMPLETIONS, 415, None, "unsupported_media_type", "send it with 'Content-Type: application/json'",
+        raw=b"model=x&prompt=hi", headers={"content-type": "application/x-www-form-urlencoded"}),
     # missing fields
     Bad("missing-model", CHAT, 400, "model", "invalid_value", "Missing required parameter: 'model'",
         body={"messages": MSGS}),

@@ -1,0 +1,45 @@
+"""Giving freed memory back to the operating system.
+
+Two places keep freed memory for reuse, so a process's RSS stays at its high-water mark after a
+burst of work: MLX's buffer cache (every intermediate of every shape a step ever ran), and
+glibc's malloc, whose per-thread arenas keep what a tokenizer or a JSON parser freed.
+``release_memory`` empties both, on the engine thread, once the engine has gone idle;
+``trim_host_memory`` is the malloc half alone, safe on any thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+from functools import cache
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@cache
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim``, or None (macOS, musl: their allocators return memory themselves)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_host_memory() -> None:
+    """Hand the free pages of every malloc arena back to the OS (a no-op where there is no glibc)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def release_memory() -> None:
+    """MLX's cached buffers, then malloc's free pages, back to the OS. Engine thread only (MLX)."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    trim_host_memory()

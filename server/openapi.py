@@ -1,0 +1,167 @@
+"""The OpenAPI document (``/openapi.json``, ``/docs``), made to say what the server does.
+
+FastAPI's own document says 422 for validation errors (the server answers 400, in OpenAI's
+shape), lists no other error status and has empty response schemas for routes that build their
+bodies by hand. ``install_openapi`` replaces it with one that has, per route: the response
+models below (documentation only: the routes keep building their bodies), every error status
+the route can answer with the error shape as its schema, ``text/event-stream`` beside JSON for
+the streaming routes and ``text/plain`` for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # the document lists what is always there; more may come
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error of every route: OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+class ModelCard(_Open):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    context_length: int
+    kv_cache: dict[str, Any]
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+class Usage(_Open):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(_Open):
+    role: str
+    content: str | None
+
+
+class ChatChoice(_Open):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatCompletion(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class Completion(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class Health(_Open):
+    """``ok`` once the model is loaded (with the engine's counters), else ``loading``."""
+
+    status: str
+
+
+class CacheReset(_Open):
+    object: str
+
+
+_MODELS = (ErrorResponse, ModelList, ModelCard, ChatCompletion, Completion, Health, CacheReset)
+_WHY = {400: "Invalid request (validation errors included)", 401: "Missing or wrong API key (with --api-key)",
+        403: "Host or Origin not allowed", 404: "No such model", 413: "Request body over --max-request-bytes",
+        415: "The body is not JSON (Content-Type)", 429: "The waiting queue is full (Retry-After)",
+        500: "Generation failed inside the engine", 503: "The model is loading or failed to load"}
+_KEYED = (401,)
+_ANY = (403, 413)
+_GENERATE = (400, 404, 415, 429, 500, 503)
+_STREAM = {"type": "string", "description": "Server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`"}
+# path -> method -> (200's model name or None, extra media types of the 200, error statuses)
+_ROUTES: dict[str, dict[str, tuple[str | None, dict[str, Any], tuple[int, ...]]]] = {
+    "/v1/chat/completions": {"post": ("ChatCompletion", {"text/event-stream": {"schema": _STREAM}},
+                                      _KEYED + _ANY + _GENERATE)},
+    "/v1/completions": {"post": ("Completion", {"text/event-stream": {"schema": _STREAM}}, _KEYED + _ANY + _GENERATE)},
+    "/v1/models": {"get": ("ModelList", {}, _KEYED + _ANY + (503,))},
+    "/v1/models/{model_id}": {"get": ("ModelCard", {}, _KEYED + _ANY + (404, 503))},
+    "/v1/cache/stats": {"get": (None, {}, _KEYED + _ANY + (503,))},
+    "/v1/cache/reset": {"post": ("CacheReset", {}, _KEYED + _ANY + (503,))},
+    "/health": {"get": ("Health", {}, _ANY)},
+}
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Serve the corrected document at ``/openapi.json`` (built once, on first request)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build_openapi(app)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build_openapi(app: FastAPI) -> dict[str, Any]:
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    _, defs = models_json_schema([(m, "serialization") for m in _MODELS], ref_template="#/components/schemas/{model}")
+    components.update(defs.get("$defs", {}))
+    for path, methods in schema.get("paths", {}).items():
+        for method, operation in methods.items():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            model, extra, errors = _ROUTES.get(path, {}).get(method, (None, {}, _ANY))
+            ok = responses.setdefault("200", {"description": "Successful Response"})
+            if model is not None:
+                ok["content"] = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model}"}}, **extra}
+            elif path == "/metrics":
+                ok["content"] = {"text/plain": {"schema": {"type": "string"},
+                                                "example": "# HELP kvarn_requests_total ..."}}
+            elif "content" in ok and ok["content"].get("application/json", {}).get("schema") == {}:
+                ok["content"]["application/json"]["schema"] = {"type": "object"}
+            for status in sorted((*errors, 503) if path == "/health" else errors):
+                responses[str(status)] = {"description": _WHY[status], "content": {
+                    "application/json": {"schema": _health_503() if path == "/health" and status == 503
+                                         else {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    return schema
+
+
+def _health_503() -> dict[str, Any]:
+    """``/health``'s 503: ``{"status": "loading"}`` while the model loads, an error after a failed load."""
+    return {"anyOf": [{"$ref": "#/components/schemas/Health"}, {"$ref": "#/components/schemas/ErrorResponse"}]}
