@@ -60,6 +60,7 @@ def _text(value: str | None) -> str | None:
     return value.encode("utf-8", "backslashreplace").decode("utf-8") if value is not None else None
 
 
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
@@ -102,9 +103,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         if isinstance(exc.body, (bytes, bytearray)):  # a body FastAPI did not read as JSON: its content type
-            kind = request.headers.get("content-type", "")
-            return error_response(415, f"Unsupported Content-Type {kind[:100]!r}: this route takes a JSON body; send "
-                                       "it with 'Content-Type: application/json'.", code="unsupported_media_type")
+            kind = request.headers.get("content-type")
+            given = f"Unsupported Content-Type {kind[:100]!r}" if kind else "No Content-Type"
+            return error_response(415, f"{given}: this route takes a JSON body; send it with 'Content-Type: "
+                                       "application/json'.", code="unsupported_media_type")
         message, param = _describe_validation(exc)
         return error_response(400, message, param, "invalid_value" if param else "invalid_request")
 
@@ -113,6 +115,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "Not found: no such route."
+        if exc.status_code == 400 and message == _FASTAPI_BODY_ERROR:  # json.loads raised, but not a decode error
+            return error_response(400, "Invalid JSON body: the request body could not be parsed as JSON (nested too "
+                                       "deeply, a number too long, or not UTF-8).", code="invalid_request")
         return error_response(exc.status_code, message, code=getattr(exc, "code", None),
                               headers=getattr(exc, "headers", None))
 

@@ -15,6 +15,7 @@ MAX_STOP_STRINGS = 16
 _TOKEN_ID = re.compile(r"-?[0-9]+")
 MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k as vLLM bounds them (a C long)
 MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id (and int() of 5,000 digits raises)
 
 
@@ -109,20 +110,32 @@ class ResponseFormat(_Strict):
         return self
 
 
+def _nullable_optionals(schema: dict[str, Any]) -> None:
+    """The JSON schema says what ``_check_body`` does: every optional field may be ``null``."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        options = prop.get("anyOf", [prop])
+        if name not in required and {"type": "null"} not in options:
+            outer = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints; ranges follow OpenAI's (top_k and min_p as in vLLM)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_nullable_optionals)
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
@@ -139,14 +152,19 @@ class _Sampling(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _check_text(cls, data: Any) -> Any:
+    def _check_body(cls, data: Any) -> Any:
         """Every string of the body, keys included, must be Unicode text: JSON's ``\\ud800``
-        escapes give lone surrogates, which no tokenizer, template or response encoder takes."""
+        escapes give lone surrogates, which no tokenizer, template or response encoder takes.
+        An optional field sent as ``null`` is not given (OpenAI's fields are nullable: ``"n": null``
+        is n = 1); required ones stay refused."""
         path = invalid_text_path(data)
         if path is not None:
             raise PydanticCustomError("invalid_unicode", "Invalid value for '{param}': a string holds a lone UTF-16 "
                                       "surrogate (a \\ud800-\\udfff escape outside a pair), which is not text.",
                                       {"param": path})
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
+                    or cls.model_fields[k].is_required()}
         return data
 
     @field_validator("stop")

@@ -102,6 +102,9 @@ def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) ->
     except SchemaError as exc:
         raise APIError(400, f"Invalid schema for function '{name}': {exc.message}", param=param,
                        code="invalid_function_parameters") from exc
+    except RecursionError as exc:  # jsonschema checks recursively: a schema nested deeper than Python's stack
+        raise APIError(400, f"Invalid schema for function '{name}': nested too deeply.", param=param,
+                       code="invalid_function_parameters") from exc
     if schema.get("type", "object") != "object":
         raise APIError(400, f"Invalid schema for function '{name}': schema must be a JSON Schema of "
                             f"'type: \"object\"', got 'type: {json.dumps(schema.get('type'))}'.", param=param,
