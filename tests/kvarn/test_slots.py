@@ -402,7 +402,10 @@ def assert_one_attention_per_layer(recorder: Recorder, batch: list[Any], slot_la
 # wherever a K/V value sits at a 4-bit rounding boundary: measured 2.8e-5 bundled, 3e-6 llama,
 # 1e-3 gemma3_text (its scaled embeddings amplify KV error); bound 0.05, as kvarn.batch's test
 # uses for the same noise. (Fed random tokens instead of greedy ones, the bundled model's affine
-# rows reach 0.44 against rows alone, kvarn.batch's per-row path exactly as much.)
+# rows reach 0.44 against rows alone, kvarn.batch's per-row path exactly as much.) On another
+# processor OpenBLAS's noise put a bundled-model code on a boundary (0.092 against rows alone):
+# the bundled affine arm runs under the reference BLAS (tests/openblas_plugin.py), where rows
+# alone and batched feed the quantizer the same values.
 PER_ROW_BOUND = {"fp16": 1e-4, "affine": 1e-6}
 ALONE_BOUND = {"fp16": 1e-4, "affine": 0.05}
 
@@ -412,7 +415,8 @@ def assert_within_bounds(worst: dict[str, float], layout: KVLayout) -> None:
     assert worst["alone"] < ALONE_BOUND[layout.scheme], worst
 
 
-@pytest.mark.parametrize("layout", [FP16, AFFINE], ids=lambda l: l.scheme)
+@pytest.mark.parametrize("layout", [FP16, pytest.param(AFFINE, marks=pytest.mark.reference_blas)],
+                         ids=lambda l: l.scheme)
 def test_bundled_model_batched_decode_matches_rows_alone(bundled_model, layout, monkeypatch):
     rng = np.random.default_rng(9)
     prompts = [rng.integers(16, 8000, n).tolist() for n in (5, 130, 300, 70)]
