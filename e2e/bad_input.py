@@ -82,7 +82,7 @@ def body_cases(ctx: Context) -> list[BadCase]:
         BadCase("completion: empty prompt", 400, {**p, "prompt": ""}, path=COMPLETIONS),
         BadCase("completion: negative token id", 400, {**p, "prompt": [-1]}, path=COMPLETIONS),
         BadCase("completion: token id past the vocabulary", 400, {**p, "prompt": [10 ** 9]}, path=COMPLETIONS),
-        BadCase("completion: two prompts", 400, {**p, "prompt": ["a", "b"]}, path=COMPLETIONS),
+        BadCase("completion: 257 prompts", 400, {**p, "prompt": ["a"] * 257}, path=COMPLETIONS),
         BadCase("completion: prompt over the context", 400, {**p, "prompt": [100] * (ctx.context_length + 1)},
                 path=COMPLETIONS),
         BadCase("completion: best_of 2", 400, {**p, "best_of": 2}, path=COMPLETIONS),

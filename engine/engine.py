@@ -18,7 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.budget import PoolBudget, StaticBudget
 from engine.pool_tier import PoolTier
 from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
-from engine.output import OutputState, advance, new_detokenizer
+from engine.output import OutputState, add_prompt_scores, advance, new_text_stream
 from engine.prefix import PrefixReuse, exact_tier_possible
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -247,7 +247,7 @@ class Engine:
         for member in group:
             member.snapshot_at = points
             self.requests[member.request_id] = member
-            self._outputs[member.request_id] = OutputState(new_detokenizer(self.loaded.tokenizer), member.params.stop)
+            self._outputs[member.request_id] = OutputState(new_text_stream(self.loaded.tokenizer), member.params.stop)
         self.scheduler.add(request)
         for fork in forks:
             fork.fork_of = request.request_id
@@ -287,12 +287,18 @@ class Engine:
             request = self.requests.get(request_id)
             if request is not None:
                 outputs += self._finish(request, FinishReason.ERROR, error=reason)
+        self._score_prompts(plan, result)
         advanced = self.scheduler.update(plan, result)
         if self.prefix is not None:  # cache what the step completed, before finished rows are freed
             self.prefix.after_step(plan, self.requests, self.runner.rows)
+        for chunk in plan.prefills:  # max_tokens 0: the prompt was all there was to do
+            request = self.requests.get(chunk.request_id)
+            if chunk.is_last and request is not None and not request.is_finished and request.params.max_tokens == 0:
+                for member in (request, *(self.requests[f] for f in chunk.forks if f in self.requests)):
+                    outputs += self._finish(member, FinishReason.LENGTH)
         for request in advanced:
-            sampled = result.sampled[request.request_id]
-            delta = advance(self._outputs[request.request_id], request, sampled.token_id, sampled.logprob,
+            sampled, state = result.sampled[request.request_id], self._outputs[request.request_id]
+            delta = advance(state, request, sampled.token_id, sampled.logprob,
                             self._eos_token_ids, self.loaded.context_length, sampled.finish)
             if delta.finish_reason is not None:
                 self.scheduler.finish(request, delta.finish_reason)
@@ -301,7 +307,7 @@ class Engine:
                 outputs.append(RequestOutput(
                     request.request_id, delta.text, delta.token_ids, delta.logprobs,
                     request.num_prompt_tokens, len(request.output_ids), delta.finish_reason, index=request.index,
-                    num_cached_tokens=request.num_cached_tokens))
+                    num_cached_tokens=request.num_cached_tokens, prompt_logprobs=state.take_prompt_logprobs()))
         for request_id, reason in result.ended.items():  # a grammar with no allowed token: no token
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
@@ -313,10 +319,27 @@ class Engine:
         return [self._final(r, reason, error) for r in (request, *orphans)]
 
     def _final(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        state = self._outputs.get(request.request_id)
+        prompt_logprobs = state.take_prompt_logprobs() if state is not None else None
         self._forget(request)
         return RequestOutput(request.request_id, "", (), (), request.num_prompt_tokens,
                              len(request.output_ids), reason, error, index=request.index,
-                             num_cached_tokens=request.num_cached_tokens)
+                             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+
+    def _score_prompts(self, plan: StepPlan, result: StepResult) -> None:
+        """Prompt entries of the chunks the step ran for requests with ``prompt_logprobs``; at
+        the prompt's end the other choices (``n > 1``) get the same entries."""
+        for chunk in plan.prefills:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.is_finished or request.params.prompt_logprobs is None:
+                continue
+            state = self._outputs[chunk.request_id]
+            add_prompt_scores(state, request.prompt_ids, chunk, result.prompt_scores.get(chunk.request_id))
+            for fork_id in chunk.forks:
+                fork = self._outputs.get(fork_id)
+                if fork is not None:
+                    fork.prompt_stream, fork.prompt_logprobs = state.prompt_stream, list(state.prompt_logprobs)
+                    fork.prompt_done = True
 
     def _forget(self, request: Request) -> None:
         self.runner.free((request.request_id,))

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.chat_output import ChatFormat, OutputParser, chat_format_of
+from engine.chat_prompt import chat_prompt_ids
 from engine.constraints import Constraint, ConstraintCompiler, GrammarSpec
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.kv_config import ApcConfig, KVConfig
+from engine.token_text import decode_exactly, token_bytes_of
 from engine.memory import release_memory
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     apc: ApcConfig = field(default_factory=ApcConfig)
     max_queue: int = 1024  # requests waiting for admission beyond this are refused (429)
+    # special-token text typed in chat message content is parsed as control tokens (engine/chat_prompt.py)
+    parse_special: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,11 +128,10 @@ class EngineClient:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The model's chat template over ``messages`` (and ``tools``, OpenAI's function tools as
-        dicts, which the template lists for the model), tokenized."""
-        extra = {"tools": tools} if tools else {}
-        ids = self._require_tokenizer().apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                            tokenize=True, **extra)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        dicts, which the template lists for the model), tokenized; special-token text inside a
+        message's content stays text unless ``EngineConfig.parse_special`` (engine/chat_prompt.py)."""
+        return chat_prompt_ids(self._require_tokenizer(), messages, add_generation_prompt=add_generation_prompt,
+                               tools=tools, parse_special=self.config.parse_special)
 
     def output_parser(self, prompt_ids: list[int], *, tools: list[dict[str, Any]] | None = None,
                       parse_tools: bool = False, reasoning: bool = True) -> OutputParser:
@@ -140,6 +143,11 @@ class EngineClient:
 
     def decode_token(self, token_id: int) -> str:
         return self._require_tokenizer().decode([token_id])
+
+    def text_of(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` exactly as the engine's logprob entries piece it together
+        (``engine/token_text.py``): multi-byte characters split across tokens come out whole."""
+        return decode_exactly(token_bytes_of(self._require_tokenizer()), token_ids)
 
     # --- grammar constraints (engine/constraints.py) ---
     async def compile_constraint(self, spec: GrammarSpec) -> Constraint:

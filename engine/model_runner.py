@@ -25,8 +25,8 @@ import mlx.core as mx
 from engine.grammar_rows import DEAD_END, RowGrammars
 from engine.loader import LoadedModel
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
-from engine.sampler import SampleArrays, SamplerState, make_sampler_state, sample
-from engine.step_types import PrefillChunk, SampledToken, StepPlan, StepResult
+from engine.sampler import PromptArrays, SampleArrays, SamplerState, make_sampler_state, sample, score_prompt
+from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
 from kvarn.baselines import cache_nbytes
 from kvarn.batch import BatchRows, make_batch_cache
 from kvarn.layout import KVLayout
@@ -130,10 +130,11 @@ class ModelRunner:
         self.free(plan.freed)
         job = None
         try:
-            job = self.grammars.start(_sampling_rows(plan), requests)
+            job = self.grammars.start(_sampling_rows(plan, requests), requests)
             logits: dict[RequestId, mx.array] = {}  # one row of logits per row that samples
+            scores: dict[RequestId, PromptArrays] = {}  # prompt tokens scored (prompt_logprobs)
             for chunk in plan.prefills:
-                self._prefill(chunk, requests, logits)
+                self._prefill(chunk, requests, logits, scores)
             if plan.decodes:
                 self._decode(plan.decodes, requests, logits)
             masks = job.result() if job is not None else {}
@@ -147,9 +148,11 @@ class ModelRunner:
                 pending[request_id] = sample(row_logits, row.params, row.sampler,
                                              None if allowed is None else mx.array(allowed))
             states = [self.rows[i].sampler for i in pending]
-            mx.eval([a for arrays in pending.values() for a in vars(arrays).values() if a is not None]
+            mx.eval([a for arrays in (*pending.values(), *scores.values()) for a in vars(arrays).values()
+                     if isinstance(a, mx.array)]
                     + [s.key for s in states] + [s.counts for s in states if s.counts is not None])
-            return StepResult(sampled=self._collect(pending), ended=ended)
+            return StepResult(sampled=self._collect(pending), ended=ended,
+                              prompt_scores={i: _scores(arrays) for i, arrays in scores.items()})
         except Exception as exc:  # a failed step fails its rows, never the engine
             logger.exception("step failed")
             if job is not None:  # the worker lets go of the matchers before their rows are freed
@@ -164,23 +167,35 @@ class ModelRunner:
             return StepResult(failed={request_id: f"generation failed: {exc}" for request_id in involved})
 
     def _prefill(self, chunk: PrefillChunk, requests: Mapping[RequestId, Request],
-                 out: dict[RequestId, mx.array]) -> None:
+                 out: dict[RequestId, mx.array], scores: dict[RequestId, PromptArrays]) -> None:
+        """One prompt chunk of one row; the last one hands its logits to every choice that samples
+        (not to a ``max_tokens`` 0 request), and a request with ``prompt_logprobs`` has the chunk's
+        prompt tokens scored from every position's logits (the forward computes them all anyway)."""
         request = requests[chunk.request_id]
         row = self.rows.get(chunk.request_id) or self._new_row(request, chunk.restore)
         tokens = mx.array(request.prompt_ids[chunk.start_idx: chunk.end_idx], dtype=mx.int32)[None]
-        logits = self.loaded.model(tokens, cache=row.cache)[0, -1]
+        all_logits = self.loaded.model(tokens, cache=row.cache)[0]
+        logits = all_logits[-1]
+        scored = []
+        if request.params.prompt_logprobs is not None:
+            arrays = score_prompt(all_logits, request.prompt_ids, chunk.start_idx, chunk.end_idx,
+                                  request.params.prompt_logprobs)
+            if arrays is not None:
+                scores[chunk.request_id] = arrays
+                scored = [a for a in vars(arrays).values() if isinstance(a, mx.array)]
         if self.store.in_place:  # settled now, so the next write to the shared buffers is in place
-            mx.eval(logits, [c.state for c in row.cache])
+            mx.eval(logits, scored, [c.state for c in row.cache])
         if not chunk.is_last:
             if not self.store.in_place:
-                mx.async_eval([c.state for c in row.cache])
+                mx.async_eval(scored, [c.state for c in row.cache])
             return
         for fork_id in chunk.forks:  # n > 1: the other choices share this prompt's history
             fork = requests[fork_id]
             self.rows[fork_id] = Row(self.store.fork(row.cache), make_sampler_state(fork.params, self.loaded.vocab_size),
                                      fork.params)
         for request_id in (chunk.request_id, *chunk.forks):
-            out[request_id] = logits
+            if requests[request_id].params.max_tokens > 0:
+                out[request_id] = logits
 
     def _decode(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
                 out: dict[RequestId, mx.array]) -> None:
@@ -233,8 +248,18 @@ class ModelRunner:
         return sampled
 
 
-def _sampling_rows(plan: StepPlan) -> list[RequestId]:
-    """Rows that sample a token in this step: each last prompt chunk's (and its forks'), and
-    every decoding row."""
-    rows = [i for c in plan.prefills if c.is_last for i in (c.request_id, *c.forks)]
+def _sampling_rows(plan: StepPlan, requests: Mapping[RequestId, Request]) -> list[RequestId]:
+    """Rows that sample a token in this step: each last prompt chunk's (and its forks'), unless
+    its request generates nothing (``max_tokens`` 0), and every decoding row."""
+    rows = [i for c in plan.prefills if c.is_last for i in (c.request_id, *c.forks)
+            if requests[i].params.max_tokens > 0]
     return rows + list(plan.decodes)
+
+
+def _scores(arrays: PromptArrays) -> PromptScores:
+    """Evaluated prompt scores to Python (top alternatives most likely first)."""
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
+    if arrays.top_ids is not None:
+        top = tuple(tuple(sorted(zip(ids, values), key=lambda p: -p[1]))
+                    for ids, values in zip(arrays.top_ids.tolist(), arrays.top_logprobs.tolist()))
+    return PromptScores(arrays.first, tuple(arrays.logprobs.tolist()), top)

@@ -1,5 +1,8 @@
 """Turning sampled tokens into text deltas: streaming detokenization, EOS and stop strings.
 
+A choice's text is its tokens' pieces (``engine/token_text.py``: the UTF-8 decoding of their raw
+bytes, each token giving the characters it completes), and each logprob entry carries its
+token's piece and bytes, so the entries' pieces add up to the text (up to a stop string).
 Stop strings are matched on text, so they are found across token boundaries: text that could
 still be the start of a stop string is held back until it cannot, and a matched stop string
 (and anything after it) is never emitted.
@@ -7,35 +10,65 @@ still be the start of a stop string is held back until it cannot, and a matched 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, StreamingDetokenizer, TokenizerWrapper
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from engine.request import FinishReason, Request, TokenLogprob
+from engine.step_types import PrefillChunk, PromptScores
+from engine.token_text import TextStream, token_bytes_of
 
 
-def new_detokenizer(tokenizer: TokenizerWrapper) -> StreamingDetokenizer:
-    """A fresh streaming detokenizer for one request.
-
-    mlx-lm's byte-level BPE detokenizer drops the leading space of the first token (right for a
-    chat turn shown alone, wrong for an API: " is" after "The ls command" must stay " is", as
-    the tokenizer's own ``decode`` gives). The trim is switched off on this instance.
-    """
-    detokenizer = tokenizer.detokenizer
-    if isinstance(detokenizer, BPEStreamingDetokenizer):
-        detokenizer._maybe_trim_space = lambda text: text  # type: ignore[method-assign]
-    return detokenizer
+def new_text_stream(tokenizer: TokenizerWrapper) -> TextStream:
+    """A fresh text stream for one request. A byte-level BPE text keeps the leading space of its
+    first token (mlx-lm's detokenizer drops it: right for a chat turn shown alone, wrong for an
+    API: " is" after "The ls command" must stay " is", as the tokenizer's own ``decode`` gives)."""
+    return TextStream(token_bytes_of(tokenizer))
 
 
 @dataclass
 class OutputState:
-    """Text-side state of one request: its detokenizer and the text not yet emitted."""
+    """Text-side state of one request: its text stream and the text not yet emitted."""
 
-    detokenizer: StreamingDetokenizer
+    stream: TextStream
     stop: tuple[str, ...]
     pending_text: str = ""
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_stream: TextStream | None = None  # the prompt's text, for its scored entries
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # scored, not handed out yet
+    prompt_done: bool = False  # every prompt entry is in ``prompt_logprobs`` (or was handed out)
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The prompt's entries, once they are all there, and only once."""
+        if not self.prompt_done or self.prompt_stream is None:
+            return None
+        entries, self.prompt_logprobs, self.prompt_stream = tuple(self.prompt_logprobs), [], None
+        return entries
+
+
+def add_prompt_scores(state: OutputState, prompt_ids: list[int], chunk: PrefillChunk,
+                      scores: PromptScores | None) -> None:
+    """A chunk's prompt scores as entries with their text pieces (``PromptScores`` says which
+    tokens a chunk scores); the first token gets its entry, with logprob None, with the first
+    chunk, and the last one whatever its text held when the prompt ends."""
+    if state.prompt_stream is None:
+        state.prompt_stream = TextStream(state.stream.table)
+    stream, entries = state.prompt_stream, state.prompt_logprobs
+    if chunk.start_idx == 0:
+        entries.append(TokenLogprob(prompt_ids[0], None, text=stream.add(prompt_ids[0]),
+                                    raw=stream.table(prompt_ids[0])))
+    for i, logprob in enumerate(scores.logprobs if scores is not None else ()):
+        token_id = prompt_ids[scores.first + i]
+        top = scores.top[i] if scores.top else ()
+        top_text = tuple((stream.peek(t), stream.table(t)) for t, _ in top)
+        entries.append(TokenLogprob(token_id, logprob, top, text=stream.add(token_id), raw=stream.table(token_id),
+                                    top_text=top_text))
+    if chunk.is_last:
+        held = stream.finish()
+        if held:
+            entries[-1] = replace(entries[-1], text=entries[-1].text + held)
+        state.prompt_done = True
 
 
 @dataclass(frozen=True)
@@ -65,19 +98,22 @@ def advance(state: OutputState, request: Request, token_id: int, logprob: TokenL
     params = request.params
     state.pending_tokens.append(token_id)
     finish: FinishReason | None = None
-    if token_id in eos_token_ids and (not params.ignore_eos or grammar_end is not None):
-        finish = grammar_end or FinishReason.STOP  # EOS is counted as a token but has no text and no logprob entry
+    # the alternatives' pieces in this place, before the token moves the stream on
+    top_text = tuple((state.stream.peek(t), state.stream.table(t)) for t, _ in logprob.top) if logprob else ()
+    is_eos = token_id in eos_token_ids and (not params.ignore_eos or grammar_end is not None)
+    if is_eos:
+        finish, piece = grammar_end or FinishReason.STOP, ""  # EOS is counted as a token but has no text
     else:
-        state.detokenizer.add_token(token_id)
-        if logprob is not None:
-            state.pending_logprobs.append(logprob)
-        finish = grammar_end
+        piece, finish = state.stream.add(token_id), grammar_end
     if finish is None and (len(request.output_ids) >= params.max_tokens
                            or request.num_prompt_tokens + len(request.output_ids) >= context_length):
         finish = FinishReason.LENGTH
     if finish is not None:
-        state.detokenizer.finalize()
-    state.pending_text += state.detokenizer.last_segment
+        piece += state.stream.finish()
+    if logprob is not None:  # the EOS's entry is marked: chat leaves it out, completions show it (as vLLM)
+        state.pending_logprobs.append(replace(logprob, text=piece, raw=state.stream.table(token_id),
+                                              top_text=top_text, eos=is_eos))
+    state.pending_text += piece
     if state.stop:
         hit = min((i for i in (state.pending_text.find(s) for s in state.stop) if i >= 0), default=-1)
         if hit >= 0:

@@ -99,6 +99,8 @@ class PrefixReuse:
 
     # --- admission (``engine.scheduler.CacheHooks``) ---
     def lookup(self, request: Request) -> Restore | None | Any:
+        if request.params.prompt_logprobs is not None:  # a cached prefix has no logits to score it
+            return None
         rid = request.request_id
         disk = rid not in self._read
         if self.tier == "exact":
@@ -133,6 +135,8 @@ class PrefixReuse:
         rid = request.request_id
         self._chains.pop(rid, None)
         self._read.discard(rid)
+        if request.params.prompt_logprobs is not None:  # never looked up: not a lookup in the stats
+            return
         query = request.num_prompt_tokens
         if self.tier == "exact":
             keys = restore.keys if restore is not None else []

@@ -17,12 +17,16 @@ RequestId = NewType("RequestId", str)
 class SamplingParams:
     """How to sample one request. Validated by the server; the engine trusts it.
 
-    Invariants: ``max_tokens >= 1``; ``temperature == 0`` means greedy; ``top_k == 0``,
+    Invariants: ``max_tokens >= 1``, or 0 with ``prompt_logprobs`` (the prompt is scored, nothing
+    is generated: the request ends with ``length`` after its prompt); ``temperature == 0`` means greedy; ``top_k == 0``,
     ``top_p == 1`` and ``min_p == 0`` switch their filters off; ``seed`` makes sampling
     reproducible for this request whatever else runs beside it. ``constraint`` (compiled by
     ``EngineClient.compile_constraint``) forces the output into a grammar: every choice runs its
     own matcher, EOS is allowed exactly when the grammar accepts, and the row ends when the
     grammar is complete (``stop``) or has no allowed token left (``grammar_dead_end``).
+    ``prompt_logprobs`` (None: off) scores every prompt token but the first with ``k`` top
+    alternatives: the prefill keeps every position's logits, and the prefix cache is not asked
+    for such a request (a cached prefix has no logits); its blocks are still cached for others.
     """
 
     max_tokens: int
@@ -38,6 +42,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
     constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -103,11 +108,20 @@ class Request:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One sampled token with its log-probability under the model, and the top alternatives."""
+    """One token with its log-probability under the model, and the top alternatives.
+
+    ``logprob`` is None only for a prompt's first token (nothing predicts it). ``text`` is the
+    token's piece of its sequence's text (``engine/token_text.py``: the characters it completes,
+    "" inside a multi-byte character), ``raw`` its own bytes; ``top_text`` gives each of ``top``
+    its piece in this place and its bytes. ``eos``: the EOS token that ended a choice (no text)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
+    text: str = ""
+    raw: bytes = b""
+    top_text: tuple[tuple[str, bytes], ...] = ()
+    eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,9 @@ class RequestOutput:
     error: str | None = None
     index: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    # SamplingParams.prompt_logprobs: every prompt token's entry (the first with logprob None),
+    # on the choice's first output, once
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:

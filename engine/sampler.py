@@ -90,3 +90,35 @@ def sample(logits: mx.array, params: SamplingParams, state: SamplerState,
         top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:k]
         top_values = logprobs[top_ids]
     return SampleArrays(token, logprobs[token], top_ids, top_values)
+
+
+@dataclass(frozen=True)
+class PromptArrays:
+    """Lazy scores of the prompt tokens ``[first, first + n)`` one chunk predicts (``score_prompt``)."""
+
+    first: int
+    logprobs: mx.array  # [n]
+    top_ids: mx.array | None  # [n, k]
+    top_logprobs: mx.array | None  # [n, k]
+
+
+def score_prompt(logits: mx.array, prompt_ids: list[int], start: int, end: int, top_k: int) -> PromptArrays | None:
+    """The log-probabilities of the prompt tokens that chunk ``[start, end)``'s positions predict,
+    from its logits ``[end - start, vocab]`` (position p predicts token p + 1; the prompt's last
+    position predicts the first sampled token, not a prompt token), and each position's
+    ``top_k`` alternatives. None when the chunk predicts no prompt token. Model's own
+    log-softmax, as ``sample`` reports for sampled tokens."""
+    stop = min(end, len(prompt_ids) - 1)
+    count = stop - start
+    if count <= 0:
+        return None
+    logprobs = logits[:count].astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    targets = mx.array(prompt_ids[start + 1: stop + 1], dtype=mx.int32)[:, None]
+    chosen = mx.take_along_axis(logprobs, targets, axis=-1)[:, 0]
+    top_ids = top_values = None
+    if top_k > 0:
+        k = min(top_k, logprobs.shape[-1])
+        top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        top_values = mx.take_along_axis(logprobs, top_ids, axis=-1)
+    return PromptArrays(start + 1, chosen, top_ids, top_values)

@@ -61,10 +61,27 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """What one prompt chunk scored of its request's prompt (``SamplingParams.prompt_logprobs``):
+    the log-probabilities of prompt tokens ``[first, first + len(logprobs))``, each predicted by
+    the position before it, and for each its ``top`` alternatives as (token id, logprob).
+
+    chunk [s, e) of a prompt of n tokens:  positions s .. min(e, n - 1) - 1  ->  tokens s + 1 .. min(e, n - 1)
+    (token 0 has no score; the last position of the last chunk predicts the first sampled token)
+    """
+
+    first: int
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """Sampled tokens by request, requests whose forward pass failed (with the reason), and
-    constrained rows that ended without a token (their grammar allowed none)."""
+    """Sampled tokens by request, requests whose forward pass failed (with the reason),
+    constrained rows that ended without a token (their grammar allowed none), and the scores of
+    prompt tokens of requests that asked for them."""
 
     sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
     failed: dict[RequestId, str] = field(default_factory=dict)
     ended: dict[RequestId, FinishReason] = field(default_factory=dict)
+    prompt_scores: dict[RequestId, PromptScores] = field(default_factory=dict)

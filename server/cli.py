@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-reasoning-content", action="store_true",
                        help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
                             "splitting it out into 'reasoning_content' (models without think tokens: no effect)")
+    serve.add_argument("--parse-special-tokens", action="store_true",
+                       help="tokenize special-token text typed inside chat message content (e.g. '<|im_end|>') as "
+                            "the model's control tokens; by default it is plain text, so a message cannot forge "
+                            "turns")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                        help="(default: %(default)s)")
 
@@ -287,7 +291,8 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
         raise SystemExit("kvarn serve: --max-queue must be >= 0")
     return ServerConfig(
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
-                            scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue),
+                            scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue,
+                            parse_special=args.parse_special_tokens),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         allowed_origins=tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()),

@@ -24,6 +24,7 @@ def check_model(body: _Sampling, info: ModelInfo) -> None:
 
 
 MAX_CHOICES = 16
+MAX_PROMPTS = 256  # prompts of one /v1/completions request (each is its own engine request)
 
 
 def check_unsupported(body: _Sampling) -> None:
@@ -34,9 +35,10 @@ def check_unsupported(body: _Sampling) -> None:
             raise APIError(400, "best_of > 1 is not supported.", param="best_of", code="unsupported_value")
         if body.suffix:
             raise APIError(400, "suffix is not supported by this model.", param="suffix", code="unsupported_value")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported.", param="echo",
-                           code="unsupported_value")
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be greater than or equal to 1 (0 only with echo: the prompt, and "
+                                "with logprobs its log-probabilities, without a completion).", param="max_tokens",
+                           code="invalid_value")
 
 
 def chat_prompt_ids(body: ChatCompletionRequest, client: EngineClient,
@@ -71,13 +73,20 @@ def system_prompt_end(body: ChatCompletionRequest, prompt_ids: list[int], client
     return ()
 
 
-def completion_prompt_ids(body: CompletionRequest, info: ModelInfo, client: EngineClient) -> list[int]:
+def completion_prompts(body: CompletionRequest, info: ModelInfo, client: EngineClient) -> list[list[int]]:
+    """The token ids of each prompt: ``prompt`` is one prompt (a string or a list of token ids)
+    or a list of them (strings or lists of ids), each of which gets its own choices."""
     prompt = body.prompt
+    prompts: list[str | list[int]] = [prompt]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, "Batched prompts are not supported: send one prompt per request.",
-                           param="prompt", code="unsupported_value")
-        prompt = prompt[0]
+        prompts = list(prompt)
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"At most {MAX_PROMPTS} prompts are allowed in one request; got {len(prompts)}.",
+                           param="prompt", code="invalid_value")
+    return [_prompt_ids(p, info, client) for p in prompts]
+
+
+def _prompt_ids(prompt: str | list[int], info: ModelInfo, client: EngineClient) -> list[int]:
     if isinstance(prompt, str):
         ids = client.encode(prompt)
     else:
@@ -92,9 +101,12 @@ def completion_prompt_ids(body: CompletionRequest, info: ModelInfo, client: Engi
 
 
 def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, default_max_tokens: int | None,
-                    logprobs: bool, top_logprobs: int, max_tokens: int | None) -> SamplingParams:
+                    logprobs: bool, top_logprobs: int, max_tokens: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """``max_tokens`` None means "up to the context": OpenAI's chat default. Requests whose prompt
-    plus ``max_tokens`` exceed the context are refused, as OpenAI and vLLM do."""
+    plus ``max_tokens`` exceed the context are refused, as OpenAI and vLLM do. ``prompt_logprobs``
+    (completions with echo and logprobs): score the prompt's tokens too, with that many
+    alternatives."""
     room = info.context_length - prompt_len
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         asked = f"{prompt_len} in the prompt" + (f", {max_tokens} in the completion" if max_tokens else "")
@@ -109,7 +121,7 @@ def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, defaul
             raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {info.vocab_size}).",
                            param="logit_bias", code="invalid_value")
         bias.append((token_id, float(value)))
-    limit = max_tokens or min(default_max_tokens or room, room)
+    limit = max_tokens if max_tokens is not None else min(default_max_tokens or room, room)
     return SamplingParams(
         max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -124,4 +136,5 @@ def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, defaul
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         ignore_eos=body.ignore_eos,
+        prompt_logprobs=prompt_logprobs,
     )

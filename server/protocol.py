@@ -87,9 +87,17 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+def _schema_required(schema: dict[str, Any]) -> None:
+    """The JSON schema says what server/structured.py does: ``schema`` is required (a JSON object)."""
+    schema["required"] = sorted({*schema.get("required", ()), "schema"})
+    schema["properties"]["schema"] = {"type": "object", "additionalProperties": True, "title": "Schema"}
+
+
 class JsonSchema(_Strict):
     """OpenAI's ``response_format.json_schema``. The schema is enforced whatever ``strict`` says
     (server/structured.py); ``description`` is accepted and not shown to the model."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_schema_required)
 
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]+$", max_length=MAX_FUNCTION_NAME_CHARS)]
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -97,8 +105,21 @@ class JsonSchema(_Strict):
     description: str | None = None
 
 
+def _format_variants(schema: dict[str, Any]) -> None:
+    """The JSON schema says what ``ResponseFormat._check_schema`` does: ``json_schema`` is required
+    with type ``json_schema`` and allowed (other than ``null``) only with it."""
+    schema_ref = next(option for option in schema["properties"]["json_schema"]["anyOf"] if "$ref" in option)
+    schema["oneOf"] = [
+        {"properties": {"type": {"enum": ["text", "json_object"]}, "json_schema": {"type": "null"}}},
+        {"properties": {"type": {"const": "json_schema"}, "json_schema": dict(schema_ref)},
+         "required": ["type", "json_schema"]},
+    ]
+
+
 class ResponseFormat(_Strict):
     """``text`` (free), ``json_object`` (one JSON object) or ``json_schema`` (with ``json_schema``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_format_variants)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
@@ -120,10 +141,25 @@ def _nullable_optionals(schema: dict[str, Any]) -> None:
             schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **outer}
 
 
+def _sampling_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema says what ``_check_stop`` and ``_check_bias`` do (non-empty stop strings, at
+    most ``MAX_STOP_STRINGS``; logit_bias keys of ASCII digits), then ``_nullable_optionals``."""
+    for option in schema["properties"]["stop"].get("anyOf", ()):
+        if option.get("type") == "string":
+            option["minLength"] = 1
+        elif option.get("type") == "array":
+            option["items"] = {**option.get("items", {}), "minLength": 1}
+            option["maxItems"] = MAX_STOP_STRINGS
+    for option in schema["properties"]["logit_bias"].get("anyOf", ()):
+        if option.get("type") == "object":
+            option["propertyNames"] = {"pattern": f"^-?[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$"}
+    _nullable_optionals(schema)
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints; ranges follow OpenAI's (top_k and min_p as in vLLM)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_nullable_optionals)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_sampling_schema)
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -221,6 +257,8 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0 only with echo (server/prepare.py): the prompt, and with logprobs its scores, without a completion
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None

@@ -11,17 +11,17 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette import EventSourceResponse
 
-from engine import EngineClient, EngineNotReady, ModelInfo, RequestRejected, attention_in_force
+from engine import EngineClient, EngineNotReady, ModelInfo, attention_in_force
 from server.errors import APIError, error_response
 from server.limits import check_text_bound, prompt_text_chars
-from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompt_ids, sampling_params, \
+from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompts, sampling_params, \
     system_prompt_end
 from server.chat_choices import choice_format
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Job
-from server.streaming import collect, stream_events
+from server.completions import completion_jobs
+from server.streaming import respond
 from server.structured import structured_params
 from server.tools import force_calls, plan_tools
 
@@ -144,30 +144,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     check_model(body, info)
     check_unsupported(body)
     _check_bound(body, info)
-    prompt_ids = await _off_loop(request, completion_prompt_ids, body, info, client)
-    params = sampling_params(body, len(prompt_ids), info, default_max_tokens=16,
-                             logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
-                             max_tokens=body.max_tokens)
-    params = await structured_params(body, client, params)
-    echo = (body.prompt if isinstance(body.prompt, str) else "") if body.echo else ""
-    if body.echo and not echo:
-        echo = "".join(client.decode_token(t) for t in prompt_ids)
-    return await _respond(Job("completion", info.model_id, prompt_ids, params, _fingerprint(info),
-                              include_usage=_include_usage(body), echo_text=echo, n=body.n,
-                              cache_salt=body.salt()), body.stream, request)
+    prompts = await _off_loop(request, completion_prompts, body, info, client)
+    jobs = await completion_jobs(body, client, info, prompts, _fingerprint(info))
+    return await respond(jobs, body.stream, request)
 
 
 async def _respond(job: Job, stream: bool, request: Request) -> Any:
-    client, state = request.app.state.client, request.app.state
-    try:  # before any byte of a stream goes out: refusals get their own status
-        job.admission = client.check_admission(len(job.prompt_ids), job.params.max_tokens, job.n)
-    except RequestRejected as exc:
-        state.metrics.rejected.labels(str(exc.status)).inc()
-        raise APIError(exc.status, exc.message, code=exc.code,
-                       headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else None) from exc
-    if stream:
-        return EventSourceResponse(stream_events(job, client, state.metrics), ping=15)
-    return await collect(job, client, state.metrics, request)
+    return await respond([job], stream, request)
 
 
 def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:

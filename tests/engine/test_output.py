@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.output import OutputState, _held_back_len, advance, new_detokenizer
+from engine.output import OutputState, _held_back_len, advance, new_text_stream
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 
 TEXT = "It is used to list directory contents, sorted by name."
@@ -11,7 +11,7 @@ TEXT = "It is used to list directory contents, sorted by name."
 def feed(loaded, text: str, stop: tuple[str, ...], max_tokens: int = 100, extra: list[int] = ()):
     ids = list(loaded.tokenizer.encode(text, add_special_tokens=False)) + list(extra)
     request = Request(RequestId("r"), [1, 2, 3], SamplingParams(max_tokens=max_tokens, stop=stop))
-    state = OutputState(new_detokenizer(loaded.tokenizer), stop)
+    state = OutputState(new_text_stream(loaded.tokenizer), stop)
     emitted, finish, count = "", None, 0
     for token in ids:
         request.output_ids.append(token)

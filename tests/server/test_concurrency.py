@@ -70,10 +70,13 @@ class Answer:
     tokens: list[str]
     finish: str
     usage: dict[str, int]
+    chat: bool = True
 
     def check_usage(self) -> None:
-        # every received token is counted, plus the EOS that ended a "stop" (counted, never shown)
-        assert self.usage["completion_tokens"] == len(self.tokens) + (self.finish == "stop"), self
+        # every received token is counted, plus the EOS that ended a "stop": counted, not shown in
+        # chat logprobs (OpenAI's); legacy completions show it with no text (vLLM's, what lm-eval reads)
+        eos_hidden = self.chat and self.finish == "stop"
+        assert self.usage["completion_tokens"] == len(self.tokens) + eos_hidden, self
         assert self.usage["total_tokens"] == self.usage["prompt_tokens"] + self.usage["completion_tokens"]
         assert "".join(self.tokens) == self.text
 
@@ -92,7 +95,7 @@ def parse_whole(path: str, response: httpx.Response) -> Answer:
         text, tokens = choice["message"]["content"], [e["token"] for e in choice["logprobs"]["content"]]
     else:
         text, tokens = choice["text"], choice["logprobs"]["tokens"]
-    return Answer(text, tokens, choice["finish_reason"], data["usage"])
+    return Answer(text, tokens, choice["finish_reason"], data["usage"], path == CHAT)
 
 
 def parse_stream(path: str, payloads: list[str]) -> Answer:
@@ -117,7 +120,7 @@ def parse_stream(path: str, payloads: list[str]) -> Answer:
             tokens += (choice["logprobs"] or {"tokens": []})["tokens"]
     if path == CHAT:
         assert choices[0]["delta"] == {"role": "assistant", "content": ""}
-    return Answer(text, tokens, finishes[-1], last["usage"])
+    return Answer(text, tokens, finishes[-1], last["usage"], path == CHAT)
 
 
 def make_specs() -> list[Spec]:

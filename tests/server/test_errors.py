@@ -162,10 +162,11 @@ CASES = [
     Bad("n-0", CHAT, 400, "n", "invalid_value", "", body=chat(n=0)),
     Bad("best-of-2", COMPLETIONS, 400, "best_of", "unsupported_value", "", body=completion(best_of=2)),
     Bad("suffix", COMPLETIONS, 400, "suffix", "unsupported_value", "", body=completion(suffix="x")),
-    Bad("echo-with-logprobs", COMPLETIONS, 400, "echo", "unsupported_value", "",
-        body=completion(echo=True, logprobs=1)),
-    Bad("batched-prompts", COMPLETIONS, 400, "prompt", "unsupported_value", "one prompt per request",
-        body=completion(prompt=["a", "b"])),
+    # echo with logprobs and lists of prompts are served (tests/server/test_prompt_logprobs.py)
+    Bad("max-tokens-0-without-echo", COMPLETIONS, 400, "max_tokens", "invalid_value", "0 only with echo",
+        body=completion(max_tokens=0)),
+    Bad("prompts-257", COMPLETIONS, 400, "prompt", "invalid_value", "At most 256 prompts",
+        body=completion(prompt=["a"] * 257)),
     # prompts
     Bad("token-id-vocab-size", COMPLETIONS, 400, "prompt", "invalid_value", f"Token id {VOCAB_SIZE} is outside",
         body=completion(prompt=[1, VOCAB_SIZE])),
