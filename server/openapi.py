@@ -110,7 +110,11 @@ _WHY = {400: "Invalid request (validation errors included)", 401: "Missing or wr
 _KEYED = (401,)
 _ANY = (403, 413)
 _GENERATE = (400, 404, 415, 429, 500, 503)
-_STREAM = {"type": "string", "description": "Server-sent events: `data: <chunk JSON>` lines, then `data: [DONE]`"}
+# OpenAPI before 3.2 (no itemSchema) has a text/event-stream `schema` describe one event, as tools read it
+_STREAM = {"type": "object", "required": ["data"],
+           "description": "One server-sent event: `data` is a chunk's JSON; the last event's is `[DONE]`",
+           "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                          "retry": {"type": "integer"}}}
 # path -> method -> (200's model name or None, extra media types of the 200, error statuses)
 _ROUTES: dict[str, dict[str, tuple[str | None, dict[str, Any], tuple[int, ...]]]] = {
     "/v1/chat/completions": {"post": ("ChatCompletion", {"text/event-stream": {"schema": _STREAM}},
