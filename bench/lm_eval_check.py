@@ -35,14 +35,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+from kvarn_server import served  # bench/ is on sys.path when this runs as a script
 
 REPO = Path(__file__).resolve().parents[1]
 TASK_DIR = REPO / "bench" / "lm_eval_task"
@@ -53,52 +52,6 @@ ARMS = {"fp16": ["--kv-scheme", "fp16"], "kvarn": []}
 MAX_LENGTH = 4096  # the bundled model's context
 STARTUP_TIMEOUT_S = 120.0
 NEAR_TIE = 1e-3
-
-
-# --- the server -------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def served(flags: list[str], log_path: Path) -> Iterator[str]:
-    """``kvarn serve`` on loopback with ``flags``; yields its base URL once /health says 200."""
-    import httpx
-
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("KVARN_API_KEY", None)
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port), *flags], cwd=REPO, env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvarn serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvarn serve not ready in {STARTUP_TIMEOUT_S:.0f} s:\n"
-                                   f"{log_path.read_text()[-3000:]}")
-            time.sleep(0.2)
-        yield base
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
 
 
 # --- the reference: mlx-lm in process ---------------------------------------------------------------
@@ -340,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvarn-lm-eval-") as tmp:
         for arm in arms:
             t0 = time.monotonic()
-            with served(ARMS[arm], Path(tmp) / f"{arm}.log") as base:
+            with served(ARMS[arm], Path(tmp) / f"{arm}.log", STARTUP_TIMEOUT_S) as server:
+                base = server.base
                 t_up = time.monotonic() - t0
                 results, lm, calls = run_lm_eval(base)
             t_eval = time.monotonic() - t0 - t_up

@@ -24,28 +24,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+from kvarn_server import served  # bench/ is on sys.path when this runs as a script
+
 SYSTEM = ("You are a careful assistant for a team that runs Linux servers. " * 12).strip()
 TOPICS = ["list files", "find large folders", "read a log", "restart a service", "check disk space", "copy a tree",
           "count lines", "watch memory", "compress a folder", "schedule a job", "open a port", "kill a process"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -155,26 +147,10 @@ def main() -> int:
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args.serve_args.split()]
-    if args.model:
-        cmd += ["--model", args.model]
-    log = open(os.devnull, "w")
-    server = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("kvarn serve did not start")
-            time.sleep(0.3)
+    flags = args.serve_args.split() + (["--model", args.model] if args.model else [])
+    with tempfile.TemporaryDirectory() as tmp, served(flags, Path(tmp) / "server.log", timeout=180) as server:
+        base, pid = server.base, server.pid
         model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-        pid = server.pid  # the kvarn command re-executes itself in place (OpenBLAS): same pid
         warm = httpx.post(base + "/v1/chat/completions", timeout=120, json={
             "model": model, "messages": [{"role": "user", "content": "How do I list files?"}], "max_tokens": 16})
         assert warm.status_code == 200, warm.text
@@ -190,12 +166,6 @@ def main() -> int:
         health = wait_idle(base)
         time.sleep(args.settle)
         rss_reset = rss_bytes(pid)
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
     fivexx = sum(v for k, v in stats.items() if k.startswith("status_5"))
     failures = fivexx + sum(v for k, v in stats.items()
                             if k.startswith(("transport_", "timeout", "stream_error")))

@@ -19,15 +19,17 @@ token for token (so nothing changes for them, prefix-cache keys included). ``par
 
 from __future__ import annotations
 
+import functools
 import secrets
 from typing import Any
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
+@functools.lru_cache(maxsize=8)
 def special_texts(tokenizer: Any) -> tuple[str, ...]:
     """The text of every special token of ``tokenizer`` (an mlx-lm wrapper or a Hugging Face
-    tokenizer), longest first."""
+    tokenizer), longest first; read once per tokenizer, not for every chat."""
     hf = _hf(tokenizer)
     found = {str(t) for t in getattr(hf, "all_special_tokens", ())}
     for token in getattr(hf, "added_tokens_decoder", {}).values():
