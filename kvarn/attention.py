@@ -135,52 +135,66 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
     tiles this chunk committed); ``chunk.window_*`` the tail before the chunk and the chunk's own
     tokens in float16.
 
-    The chunk is cut at tiles, so every piece is one fused SDPA with MLX's causal mask (no array
-    mask, which MLX's GPU backends answer with an unfused attention over the whole score matrix):
+    One fused SDPA for the whole chunk, over every key any of its tokens may see, under an additive
+    mask (``chunk_view_mask``, built once per chunk and shared by all layers):
 
-        tile t of the sequence (positions tG .. tG + G - 1; t = 0 is the sink):
-          its tokens but the last   keys [sink | records of tiles < t | its float16 tokens]
-                                    = positions 0 .. p, a key's index is its position: causal
-          its last token            keys [sink | records of tiles <= t] (its own tile committed
-                                    once it is in): all of them, no mask
+        keys   [ sink (s) | record 0 .. record n-1 (n*G, dequantized) | window (float16) ]
+        query p, tile t = p // G, sees
+          sink key j        j <= p
+          record r          p >= (r + 2) * G - 1     (record r is tile r + 1; committed once its
+                                                      last token is in)
+          window key at w   w // G == t, w <= p, and p is not its tile's last token
+                            (the last one sees its tile as a record instead)
+
+    MLX's GPU backends run this masked attention fused (CUDA: cuDNN with the mask as a bias; Metal:
+    the full-attention kernel), so a chunk costs one attention call a layer however many tiles it
+    spans, and the history is joined once (cutting the chunk at tiles instead joins it once a tile:
+    quadratic in the prompt's length). On the CPU MLX's attention is unfused whatever the mask.
     """
-    dtype = sink_k.dtype
     start, end = chunk.start, chunk.start + queries.shape[2]
     q = rotate(queries.astype(mx.float32)).astype(queries.dtype)
-    pieces = []
-
-    def attend(lo: int, hi: int, keys: mx.array, values: mx.array, mask: str | None) -> None:
-        pieces.append(mx.fast.scaled_dot_product_attention(q[:, :, lo - start: hi - start], keys.astype(q.dtype),
-                                                           values.astype(q.dtype), scale=scale, mask=mask))
-
-    p = start
-    while p < end:
-        t = p // G
-        if t == 0:  # the sink's own tokens: the sink up to each (float16), causal
-            hi = min(G, end)
-            attend(p, hi, sink_k[..., :hi, :], sink_v[..., :hi, :], "causal" if hi - p > 1 else None)
-            p = hi
-            continue
-        last = (t + 1) * G - 1
-        hi = min(last, end)
-        if p < hi:
-            w0, w1 = t * G - chunk.window_start, hi - chunk.window_start
-            parts_k, parts_v = [sink_k], [sink_v]
-            if t > 1:
-                parts_k.append(rec_k[..., : (t - 1) * G, :])
-                parts_v.append(rec_v[..., : (t - 1) * G, :])
-            parts_k.append(chunk.window_k[..., w0: w1, :].astype(dtype))
-            parts_v.append(chunk.window_v[..., w0: w1, :].astype(dtype))
-            attend(p, hi, mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2),
-                   "causal" if hi - p > 1 else None)
-        if hi == last and last < end:  # the tile's last token sees it as a record
-            keys = mx.concatenate([sink_k, rec_k[..., : t * G, :]], axis=2)
-            values = mx.concatenate([sink_v, rec_v[..., : t * G, :]], axis=2)
-            attend(last, last + 1, keys, values, None)
-            hi = last + 1
-        p = hi
-    out = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+    parts_k, parts_v = [sink_k], [sink_v]
+    num_records = 0
+    if rec_k is not None:
+        parts_k.append(rec_k)
+        parts_v.append(rec_v)
+        num_records = rec_k.shape[2] // G
+    window_start = end
+    if chunk.window_k is not None:
+        parts_k.append(chunk.window_k.astype(sink_k.dtype))
+        parts_v.append(chunk.window_v.astype(sink_v.dtype))
+        window_start = chunk.window_start
+    keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k, axis=2)
+    values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
+    mask = chunk_view_mask(start, end, sink_k.shape[2], num_records, window_start, G, q.dtype)
+    out = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
+                                               mask=mask)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
+
+
+_mask_memo: list = [None, None]  # [key, mask]: the latest chunk's mask (every layer of it asks again)
+
+
+def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, window_start: int, G: int,
+                    dtype: mx.Dtype) -> mx.array:
+    """The additive mask [L, sink_len + num_records * G + (end - window_start)] of
+    ``chunk_attention_over`` for queries at positions ``start .. end - 1`` (0 where a key is seen,
+    -inf where not), memoized for the latest chunk: every layer of a chunk shares one array."""
+    key = (start, end, sink_len, num_records, window_start, G, dtype)
+    if _mask_memo[0] == key:
+        return _mask_memo[1]
+    i32 = mx.int32
+    p = mx.arange(start, end, dtype=i32)[:, None]
+    seen = [mx.arange(sink_len, dtype=i32)[None] <= p]
+    if num_records:
+        seen.append(p >= (mx.arange(num_records * G, dtype=i32)[None] // G + 2) * G - 1)
+    if window_start < end:
+        w = mx.arange(window_start, end, dtype=i32)[None]
+        seen.append((w // G == p // G) & (w <= p) & (p % G != G - 1))
+    ok = seen[0] if len(seen) == 1 else mx.concatenate(seen, axis=1)
+    mask = mx.where(ok, mx.array(0, dtype), mx.array(-float("inf"), dtype))
+    _mask_memo[0], _mask_memo[1] = key, mask
+    return mask
 
 
 def kvarn_attention(queries: mx.array, cache: KVarNKVCache, scale: float, mask: Any) -> mx.array:
