@@ -5,7 +5,7 @@
 #   bash bench/device_session.sh prefill  # (a later session) the view's GPU tests, the engine at c = 1 and 32
 #   bash bench/device_session.sh masked CHUNK  # session 19: chunk attention masked vs by tiles, the view's
 #                                              # GPU tests, the engine at c = 1 and 32 with prompt chunks of CHUNK
-#                                              # (WITH_APC=1: then bench/device_apc.py; SKIP_CA=1: no chunk bench)
+#                                              # (WITH_APC=1: bench/device_apc.py before the engine; SKIP_CA=1: no chunk bench)
 # Every call ends by packing MLX's compiled-kernel cache into $OUT (mlx-cuda-kit --ptx-cache takes it).
 # Each step has its own time limit; logs and JSON land in $OUT (fetched back by the device tool).
 set -uo pipefail
@@ -43,11 +43,11 @@ case "${1:-}" in
     chunk=${2:-512}
     [ -z "${SKIP_CA:-}" ] && step chunk-attention 120 python3 bench/chunk_attention.py --out "$OUT/chunk-attention-h200.json"
     step view-tests 90 python3 -m pytest -q -x -p no:cacheprovider tests/kvarn/test_attention.py tests/kvarn/test_paged.py
+    [ -n "${WITH_APC:-}" ] && TAIL=8 step apc 110 python3 bench/device_apc.py --out "$OUT/device-apc-h200.json" \
+      --arms kvarn-k4v2,fp16 --prompts 2 --repeats 3
     TAIL=30 step engine "${ENGINE_S:-300}" python3 bench/device_engine.py --out "$OUT/device-engine-h200-chunk$chunk.json" \
       --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency ${LEVELS:-1,32} --mlxlm stacked --chunk "$chunk" \
       --time-budget $(( ${ENGINE_S:-300} - 20 ))
-    [ -n "${WITH_APC:-}" ] && TAIL=8 step apc 110 python3 bench/device_apc.py --out "$OUT/device-apc-h200.json" \
-      --arms kvarn-k4v2,fp16 --prompts 2 --repeats 3
     ;;
   *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]" >&2; exit 2 ;;
 esac

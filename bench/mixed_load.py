@@ -14,7 +14,9 @@ request and reads the server's RSS, then runs ``--clients`` concurrent clients o
 Counts every answer by status (any 5xx or transport error other than the client's own aborts is
 a failure), then calls ``POST /v1/cache/reset``, waits until ``/health`` shows nothing running
 and reads RSS again. Prints a JSON report (and writes it with ``--json-out``): requests by kind,
-statuses, failures, RSS after warm-up / after the load / after the reset, and the ratio.
+statuses, failures, RSS after warm-up / after the load / after the reset, and the ratio, with the
+server's memory gauges from ``/metrics`` at each reading (KV storage allocated and held, the
+prefix cache, MLX's active memory and buffer cache).
 
     python3 bench/mixed_load.py --json-out bench/results/mixed-load.json
 """
@@ -32,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvarn_server import served  # bench/ is on sys.path when this runs as a script
 
@@ -45,6 +48,19 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+GAUGES = {"kv_allocated": "kvarn_kv_allocated_bytes", "kv_held": "kvarn_kv_cache_bytes",
+          "prefix_cache": "kvarn_prefix_cache_memory_bytes", "mlx_active": "kvarn_mlx_active_memory_bytes",
+          "mlx_cache": "kvarn_mlx_cache_memory_bytes", "mlx_peak": "kvarn_mlx_peak_memory_bytes"}
+
+
+def memory_gauges(base: str) -> dict[str, float]:
+    """The server's own memory gauges from /metrics, in MiB (where the RSS is: the KV storage
+    allocated and held, the prefix cache, MLX's live arrays and buffer cache)."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    values = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {key: round(values.get(name, 0) / 2**20, 1) for key, name in GAUGES.items()}
 
 
 def make_request(rng: random.Random, model: str) -> tuple[str, str, dict]:
@@ -156,16 +172,16 @@ def main() -> int:
         assert warm.status_code == 200, warm.text
         wait_idle(base)
         time.sleep(args.settle)
-        rss_warm = rss_bytes(pid)
+        rss_warm, gauges = rss_bytes(pid), {"after_warmup": memory_gauges(base)}
         kinds, stats, wall = asyncio.run(load(base, model, args.clients, args.requests, args.seed))
         wait_idle(base)
         time.sleep(args.settle)
-        rss_load = rss_bytes(pid)
+        rss_load, gauges["after_load"] = rss_bytes(pid), memory_gauges(base)
         reset = httpx.post(base + "/v1/cache/reset", timeout=60)
         assert reset.status_code == 200, reset.text
         health = wait_idle(base)
         time.sleep(args.settle)
-        rss_reset = rss_bytes(pid)
+        rss_reset, gauges["after_reset"] = rss_bytes(pid), memory_gauges(base)
     fivexx = sum(v for k, v in stats.items() if k.startswith("status_5"))
     failures = fivexx + sum(v for k, v in stats.items()
                             if k.startswith(("transport_", "timeout", "stream_error")))
@@ -178,6 +194,7 @@ def main() -> int:
                     "after_reset": round(rss_reset / 2**20, 1)},
         "rss_after_reset_vs_warmup": round(rss_reset / rss_warm, 3),
         "kv_bytes_after_reset": health.get("kv_bytes"),
+        "server_gauges_mib": gauges,
     }
     print(json.dumps(report, indent=2))
     if args.json_out:

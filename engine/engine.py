@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 from apc.prefix_cache import PrefixCache
 from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
+from engine.memory import release_memory
 from engine.model_runner import ModelRunner
 from engine.budget import PoolBudget, StaticBudget
 from engine.pool_tier import PoolTier
@@ -30,6 +31,7 @@ from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore
 from kvarn.pool import warm_quantizer
+from kvarn.rotating import AffineRotatingKVCache
 from metal import attention_path
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ def make_layout(kv: KVConfig, loaded: LoadedModel) -> KVLayout:
     # affine has one width for both legs; KVarN's value leg defaults to 2 bits (k4v2)
     value_bits = kv.value_bits or (key_bits if kv.scheme == "affine" else 2)
     return KVLayout(scheme=kv.scheme, key_bits=key_bits, value_bits=value_bits, tile_size=kv.tile,
-                    group_size=kv.group_size, storage_dtype=loaded.compute_dtype)
+                    group_size=kv.group_size, storage_dtype=loaded.compute_dtype, max_kv_size=kv.max_kv_size)
 
 
 def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: KVConfig | None = None,
@@ -119,7 +121,8 @@ def can_batch_decode(loaded: LoadedModel, layout: KVLayout) -> bool:
     """Whether decoding rows can run as one batch: every layer's cache must be an attention
     cache the batch understands, and a two-row probe must run (else rows decode alone)."""
     rows = [make_cache(loaded.model, layout, capacity=2) for _ in range(2)]
-    if not all(isinstance(c, (KVCache, RotatingKVCache, KVarNKVCache, QuantizedKVCache)) for c in rows[0]):
+    if not all(isinstance(c, (KVCache, RotatingKVCache, KVarNKVCache, QuantizedKVCache, AffineRotatingKVCache))
+               for c in rows[0]):
         logger.warning("this model's caches cannot be batched: decoding rows run one at a time")
         return False
     try:
@@ -150,16 +153,16 @@ class Engine:
         self.pricing = pricing or make_pricing(loaded, layout, config.prefill_chunk_size)
         self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity)
         pool = self.runner.store.pool
+        budget: StaticBudget = StaticBudget(self._price, config.kv_budget_bytes)
         if pool is not None:  # KVarN rows in the block pool: shared blocks counted once
             block, sink = self.pricing.block_bytes(), self.pricing.window_bytes() // getattr(mx, layout.window_dtype).size
-            budget: StaticBudget = PoolBudget(
-                self.pricing, config.kv_budget_bytes,
-                lambda: pool.records.num_held * block + pool.sinks.num_held * sink, self.runner.row_records)
+            if layout.max_kv_size is None:  # windowed rows drop shared blocks and take their own: priced whole
+                budget = PoolBudget(self.pricing, config.kv_budget_bytes,
+                                    lambda: pool.records.num_held * block + pool.sinks.num_held * sink,
+                                    self.runner.row_records)
             if config.kv_budget_bytes is not None:  # the pool never needs more ids than the budget pays for
                 pool.max_blocks["records"] = config.kv_budget_bytes // max(self.pricing.block_bytes(), 1) + 1
                 pool.max_blocks["sinks"] = config.kv_budget_bytes // max(sink, 1) + 1  # float16 sink copies
-        else:
-            budget = StaticBudget(self._price, config.kv_budget_bytes)
         self.scheduler = Scheduler(config, budget)
         self.prefix: PrefixReuse | None = None
         if apc is not None:
@@ -202,6 +205,18 @@ class Engine:
             return {"enabled": False, "memory_bytes": 0, "disk_bytes": 0}
         return {"enabled": True, **self.prefix.cache.reset()}
 
+    def release_idle_memory(self) -> int:
+        """Give memory back once the engine has gone idle (``EngineClient``): the block pool's
+        arrays shrink past the highest id still in use (a burst of rows grew them by doubling;
+        after a prefix cache reset nothing is in use), the baselines' slot buffers go when no row
+        holds a slot, then MLX's buffer cache and malloc's free pages go back to the OS
+        (``engine.memory``). Returns the KV bytes released."""
+        store = self.runner.store
+        released = store.pool.shrink() if store.pool is not None else 0
+        released += sum(slots.shrink() for slots in store.slots or () if slots is not None)
+        release_memory()
+        return released
+
     def prefix_cache_counters(self) -> dict[str, int]:
         """Counters and sizes for the server's metrics (zeros with the cache off)."""
         if self.prefix is None:
@@ -223,8 +238,9 @@ class Engine:
     def describe_kv(self) -> dict[str, object]:
         """The layout in force, with how many layers use it (others keep their own cache)."""
         used, total = count_quantized_layers(self.loaded.model, self.layout)
-        return {**self.layout.describe(self.loaded.fingerprint), "layers": total, "layers_with_layout": used,
-                "budget_bytes": self.kv_budget_bytes, "batched_decode": self.runner.batch_decode}
+        return {**self.layout.describe(self.loaded.fingerprint), "max_kv_size": self.layout.max_kv_size,
+                "layers": total, "layers_with_layout": used, "budget_bytes": self.kv_budget_bytes,
+                "batched_decode": self.runner.batch_decode}
 
     def add_request(self, request: Request, forks: tuple[Request, ...] = ()) -> None:
         """Queue ``request`` and its other choices (``n > 1``: ``forks`` share its prompt).

@@ -22,8 +22,8 @@ from engine.constraints import Constraint, ConstraintCompiler, GrammarSpec
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.kv_config import ApcConfig, KVConfig
+from engine.memory import mlx_memory
 from engine.token_text import decode_exactly, token_bytes_of
-from engine.memory import release_memory
 
 logger = logging.getLogger(__name__)
 
@@ -290,8 +290,10 @@ class EngineClient:
             if kv.scheme == "auto":  # the layout kvarn advise recommends for this model
                 from engine.advise import START_UP, auto_layout
 
+                window = kv.max_kv_size
                 kv, chosen = auto_layout(loaded, config=replace(START_UP, num_prompts=kv.advise_prompts,
                                                                 gen_tokens=kv.advise_tokens))
+                kv = replace(kv, max_kv_size=window)  # the advice picks the layout; the window stays the flag's
                 logger.info("KV layout by kvarn advise: %s (%s)", chosen["arm"], chosen["source"])
             engine = make_engine(loaded, self.config.scheduler, kv, self.config.apc)
             self._tokenizer = loaded.tokenizer
@@ -325,7 +327,8 @@ class EngineClient:
         except queue.Empty:
             if block and self._used:  # idle for _IDLE_WAIT_S after work: give its memory back
                 self._used = False
-                release_memory()
+                engine.release_idle_memory()
+                self._update_stats(engine)
             return
         self._used = True
         while True:
@@ -351,7 +354,8 @@ class EngineClient:
     def _update_stats(self, engine: Any) -> None:
         stats = {"running": engine.num_running, "waiting": engine.num_waiting,
                  "kv_bytes": engine.runner.kv_nbytes(), "reserved_bytes": engine.scheduler.reserved_bytes,
-                 **engine.prefix_cache_counters()}
+                 "kv_allocated_bytes": engine.runner.kv_allocated_bytes(),
+                 **mlx_memory(), **engine.prefix_cache_counters()}
         with self._lock:
             self._stats = stats
 

@@ -6,13 +6,18 @@ one token at a time, so its cache is quantized as it grows, exactly as when serv
 position we record KL(reference || arm) of the next-token distributions and whether the arm's
 top-1 token equals the reference's. Until the first top-1 disagreement an arm's free-running
 greedy output equals the reference's, so that position is its greedy agreement length.
+
+Window arms (``kvarn:k4v2:w1024``, or ``--max-kv-size N`` for every arm without one): the arm's
+cache attends at most N tokens (``kvarn.window``, ``kvarn.rotating``) while the reference keeps
+the whole context, so the KLD of a windowed fp16 arm is what the window alone costs and a
+windowed KVarN arm's is the window and the quantization together.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +36,28 @@ DEFAULT_ARMS = ("kvarn:k8v8", "kvarn:k4v4", "kvarn:k4v2", "kvarn:k3v3", "kvarn:k
 
 
 def parse_arm(spec: str) -> KVConfig:
-    """``fp16``, ``kvarn:k4v2[:g64]`` or ``affine:4[:g32]``."""
+    """``fp16[:wN]``, ``kvarn:k4v2[:g64][:wN]`` or ``affine:4[:g32][:wN]`` (``:wN``: an attention
+    window of N tokens, ``--max-kv-size N``)."""
     parts = spec.split(":")
-    tail = {p[0]: int(p[1:]) for p in parts[2:] if p[:1] == "g" and p[1:].isdigit()}
-    if parts[0] == "fp16" and len(parts) == 1:
-        return KVConfig("fp16")
+    tail = {p[0]: int(p[1:]) for p in parts[1 if parts[0] == "fp16" else 2:] if p[:1] in ("g", "w") and p[1:].isdigit()}
+    window = tail.get("w")
+    if parts[0] == "fp16" and parts[1:] == ([f"w{window}"] if window is not None else []):
+        return KVConfig("fp16", max_kv_size=window)
     if parts[0] == "kvarn" and len(parts) >= 2 and parts[1].startswith("k") and "v" in parts[1]:
         key, value = parts[1][1:].split("v")
-        return KVConfig("kvarn", int(key), int(value), tile=tail.get("g", 128))
+        return KVConfig("kvarn", int(key), int(value), tile=tail.get("g", 128), max_kv_size=window)
     if parts[0] == "affine" and len(parts) >= 2 and parts[1].isdigit():
-        return KVConfig("affine", int(parts[1]), int(parts[1]), group_size=tail.get("g", 64))
-    raise ValueError(f"bad arm {spec!r}: use fp16, kvarn:kXvY[:gG] or affine:B[:gG]")
+        return KVConfig("affine", int(parts[1]), int(parts[1]), group_size=tail.get("g", 64), max_kv_size=window)
+    raise ValueError(f"bad arm {spec!r}: use fp16[:wN], kvarn:kXvY[:gG][:wN] or affine:B[:gG][:wN]")
+
+
+def arm_config(spec: str, max_kv_size: int | None = None) -> tuple[str, KVConfig]:
+    """(the arm's name in reports, its layout): ``max_kv_size`` windows an arm that names no
+    window of its own, and the name then says so (``kvarn:k4v2:w1024``)."""
+    kv = parse_arm(spec)
+    if kv.max_kv_size is None and max_kv_size is not None:
+        return f"{spec}:w{max_kv_size}", replace(kv, max_kv_size=max_kv_size)
+    return spec, kv
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,7 @@ class KldConfig:
     num_prompts: int = 8
     prompt_tokens: int = 256
     gen_tokens: int = 2048
+    max_kv_size: int | None = None  # windows every arm without one of its own (the reference stays unbounded)
 
 
 @dataclass
@@ -107,7 +124,12 @@ def run_kld(loaded: LoadedModel, config: KldConfig, progress: Callable[[int], No
     install_attention_seam(loaded.model)
     prompts = load_prompts(loaded, config)
     head_dim, n_kv, n_layers = _layer_geometry(loaded)
-    layouts = [make_layout(parse_arm(a), loaded) for a in config.arms]
+    named = [arm_config(a, config.max_kv_size) for a in config.arms]
+    layouts = [make_layout(kv, loaded) for _, kv in named]
+    for (name, _), layout in zip(named, layouts):
+        if layout.scheme == "kvarn" and layout.max_kv_size is not None and layout.max_kv_size < config.prompt_tokens:
+            raise ValueError(f"arm {name}: the prompt ({config.prompt_tokens} tokens) must fit a KVarN arm's window "
+                             f"(its single-stream cache prefills within it)")
     reference = make_cache(loaded.model, KVLayout.fp16(loaded.compute_dtype))
     caches = [make_cache(loaded.model, layout) for layout in layouts]
     model = loaded.model
@@ -131,8 +153,8 @@ def run_kld(loaded: LoadedModel, config: KldConfig, progress: Callable[[int], No
     # bytes as deployed with a half-precision model (fp16 KV, fp16 affine scales), whatever the
     # compute dtype of this run
     fp16_bytes = KVLayout.fp16("float16").bytes_per_token(head_dim, n_kv) * n_layers
-    results = [ArmResult(arm, layout.describe(loaded.fingerprint),
+    results = [ArmResult(name, layout.describe(loaded.fingerprint),
                          layout.with_storage_dtype("float16").bytes_per_token(head_dim, n_kv) * n_layers,
                          kld[i], top1[i])
-               for i, (arm, layout) in enumerate(zip(config.arms, layouts))]
+               for i, ((name, _), layout) in enumerate(zip(named, layouts))]
     return results, fp16_bytes

@@ -18,7 +18,10 @@ def summaries(results: list[ArmResult], fp16_bytes: float) -> list[dict[str, Any
 def to_markdown(rows: list[dict[str, Any]], config: KldConfig, model: str, fp16_bytes: float) -> str:
     head = (f"`kvarn kld` on `{model}`: {config.num_prompts} prompts x {config.prompt_tokens} prompt tokens, "
             f"{config.gen_tokens} teacher-forced decode positions each; reference: unquantized KV "
-            f"(fp16 = {fp16_bytes:.0f} B/token over all layers).\n\n")
+            f"(fp16 = {fp16_bytes:.0f} B/token over all layers)"
+            + (f"; every arm without a window of its own attends at most {config.max_kv_size} tokens "
+               f"(`--max-kv-size {config.max_kv_size}`, arms named `:w{config.max_kv_size}`)"
+               if config.max_kv_size is not None else "") + ".\n\n")
     table = ["| arm | mean KLD | median | p99 | max | top-1 | greedy agree (mean / min tokens) | B/token | x vs fp16 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -10,7 +10,8 @@ class KVConfig:
     """The KV layout asked for, in plain values. ``None`` key bits mean 4; ``None`` value bits
     mean 2 for kvarn (k4v2) and the key width for affine (one width for both legs). Scheme
     ``"auto"``: the layout ``kvarn advise`` recommends for the model (``engine/advise.py``),
-    resolved when the model is loaded."""
+    resolved when the model is loaded. ``max_kv_size`` (``--max-kv-size``): every row's attention
+    window in tokens, for any scheme (None: unbounded; ``kvarn.layout.KVLayout.max_kv_size``)."""
 
     scheme: str = "kvarn"
     key_bits: int | None = None
@@ -19,6 +20,7 @@ class KVConfig:
     group_size: int = 64
     advise_prompts: int = 2  # scheme "auto" without stored advice: what is measured at start-up
     advise_tokens: int = 384
+    max_kv_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -32,3 +34,17 @@ class ApcConfig:
     memory_bytes: int | None = None
     disk_dir: str | None = None
     disk_bytes: int = 4 * 2**30
+
+
+def check_window(kv: KVConfig) -> None:
+    """Raise ValueError if ``kv.max_kv_size`` is below its scheme's floor (KVarN: 2 tiles; fp16
+    and affine: more than the 4 tokens a rotating cache keeps), before anything loads. A scheme
+    "auto" is checked once the advice has picked one (``KVLayout``)."""
+    if kv.max_kv_size is None or kv.scheme == "auto":
+        return
+    from kvarn.layout import KVLayout
+
+    key_bits = kv.key_bits or 4
+    value_bits = kv.value_bits or (key_bits if kv.scheme == "affine" else 2)
+    KVLayout(scheme=kv.scheme, key_bits=key_bits, value_bits=value_bits, tile_size=kv.tile,
+             group_size=kv.group_size, max_kv_size=kv.max_kv_size)

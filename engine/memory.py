@@ -3,8 +3,9 @@
 Two places keep freed memory for reuse, so a process's RSS stays at its high-water mark after a
 burst of work: MLX's buffer cache (every intermediate of every shape a step ever ran), and
 glibc's malloc, whose per-thread arenas keep what a tokenizer or a JSON parser freed.
-``release_memory`` empties both, on the engine thread, once the engine has gone idle;
-``trim_host_memory`` is the malloc half alone, safe on any thread.
+``release_memory`` empties both, on the engine thread, once the engine has gone idle (after the
+block pool's arrays shrank: ``Engine.release_idle_memory``); ``trim_host_memory`` is the malloc
+half alone, safe on any thread.
 """
 
 from __future__ import annotations
@@ -43,3 +44,12 @@ def release_memory() -> None:
 
     mx.clear_cache()
     trim_host_memory()
+
+
+def mlx_memory() -> dict[str, int]:
+    """MLX's allocator counters in bytes: arrays alive (``mlx_active_bytes``), freed buffers kept
+    for reuse (``mlx_cache_bytes``), the highest active since start (``mlx_peak_bytes``)."""
+    import mlx.core as mx
+
+    return {"mlx_active_bytes": mx.get_active_memory(), "mlx_cache_bytes": mx.get_cache_memory(),
+            "mlx_peak_bytes": mx.get_peak_memory()}

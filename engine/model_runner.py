@@ -31,6 +31,7 @@ from kvarn.baselines import cache_nbytes
 from kvarn.batch import BatchRows, make_batch_cache
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore
+from kvarn.slots import SlotRow
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,16 @@ class ModelRunner:
         if self.store.pool is not None:
             return self.store.pool.held_bytes()
         return sum(cache_nbytes(row.cache) for row in self.rows.values())
+
+    def kv_allocated_bytes(self) -> int:
+        """Bytes of the KV storage allocated: the block pool's arrays (free ids included) or the
+        slot buffers, plus the caches of rows kept by layer (>= ``kv_nbytes``)."""
+        store = self.store
+        if store.pool is not None:
+            return store.pool.nbytes()
+        slots = sum(s.nbytes for s in store.slots or () if s is not None)
+        own = sum(cache_nbytes([c for c in row.cache if not isinstance(c, SlotRow)]) for row in self.rows.values())
+        return slots + own
 
     def row_records(self, request_id: RequestId) -> int | None:
         """Record blocks a KVarN row in the pool holds (None: no such row yet)."""
@@ -185,6 +196,7 @@ class ModelRunner:
                 scored = [a for a in vars(arrays).values() if isinstance(a, mx.array)]
         if self.store.in_place:  # settled now, so the next write to the shared buffers is in place
             mx.eval(logits, scored, [c.state for c in row.cache])
+            self.store.settle(row.cache)  # a windowed row lets go of what its next token will not attend
         if not chunk.is_last:
             if not self.store.in_place:
                 mx.async_eval(scored, [c.state for c in row.cache])

@@ -23,6 +23,11 @@ and after admission: ``make_row(restore, empty)`` fills the new row (the runner)
 - fp16 / affine: copies of the block's keys and values (``apc.memory_tier``; every token's are
   final once written, whatever the chunking).
 
+**Windows** (``--max-kv-size N``): the layout stamp names N, so windowed and unwindowed rows (and
+rows of other windows) never share a key. A windowed KVarN row publishes only blocks within its
+first N tokens (nothing was evicted before them, so they are exact; a hit never needs an evicted
+block); windowed fp16 / affine rows are rotating caches, snapshotted whole (the checkpoint tier).
+
 **Checkpoint tier** (sliding windows, recurrent layers): the whole row after exactly L tokens,
 at the end of a chat's system prompt and at the prompt's last token but one (the engine sets
 ``Request.snapshot_at``; the scheduler ends a chunk there), so a repeat of a prompt, or a later
@@ -54,6 +59,7 @@ from engine.step_types import StepPlan
 from kvarn.baselines import AffineKVCache, FP16KVCache, uses_layout
 from kvarn.cache import Block, KVarNKVCache
 from kvarn.layout import KVLayout
+from kvarn.rotating import AffineRotatingKVCache
 from kvarn.slots import SlotRow
 
 logger = logging.getLogger(__name__)
@@ -207,6 +213,8 @@ class PrefixReuse:
             return
         computed = request.num_computed_tokens
         complete = computed // self.G
+        if self.layout.max_kv_size is not None:  # a windowed row publishes only what no eviction touched
+            complete = min(complete, self.layout.max_kv_size // self.G)
         start = progress.next_block
         if complete <= start:
             return
@@ -214,7 +222,12 @@ class PrefixReuse:
         progress.keys = self.cache.chain(tokens, request.cache_salt, progress.keys)
         if self.pool_tier is not None:  # the row's own blocks (its sink copied once)
             row = cache[0].row
-            items = [SinkOf(row) if i == 0 else row.table[i - 1] for i in range(start, complete)]
+            items = [SinkOf(row) if i == 0 else row.record_block(i - 1) for i in range(start, complete)]
+            if None in items:  # evicted from a windowed row's table before it was cached: the chain stops
+                items = items[: items.index(None)]
+                progress.done = True
+                if not items:
+                    return
         else:
             items = [self._layout_block(cache, i) for i in range(start, complete)]
             # evaluated now: a pending copy would keep its source (the row's whole buffer) alive
@@ -299,6 +312,9 @@ def save_snapshot(cache: list[Any]) -> Payload | None:
 
 
 def _save_layer(layer: Any) -> tuple[dict[str, Any], list[mx.array]] | None:
+    if isinstance(layer, AffineRotatingKVCache):
+        legs, arrays = layer.snapshot()
+        return {"type": "affine_rotating", "legs": legs}, arrays
     if isinstance(layer, KVarNKVCache):
         return {"type": "kvarn", "meta": list(layer.meta_state)}, list(layer.state)
     if isinstance(layer, RotatingKVCache):
@@ -337,6 +353,9 @@ def load_snapshot(fresh: list[Any], payload: Payload) -> list[Any]:
 
 def _load_layer(layer: Any, meta: dict[str, Any], arrays: list[mx.array]) -> Any:
     kind = meta["type"]
+    if kind == "affine_rotating" and isinstance(layer, AffineRotatingKVCache):
+        layer.restore(meta["legs"], arrays)
+        return layer
     if kind == "kvarn" and isinstance(layer, KVarNKVCache):
         return KVarNKVCache.from_state(arrays, tuple(meta["meta"]))
     if kind == "rotating" and isinstance(layer, RotatingKVCache):

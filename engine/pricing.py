@@ -15,6 +15,9 @@ Per layer, for ``T`` tokens, ``H`` KV heads of ``D`` channels:
   exactly what ``KVarNKVCache.nbytes`` reports (``KVLayout.sequence_bytes``);
 - fp16 / affine: the row's buffers are allocated for its reservation at the first token
   (``kvarn.baselines``), so ``nbytes`` is exactly T tokens' worth from the start;
+- with ``--max-kv-size N`` a row is priced at ``min(T, N)`` tokens (``held_tokens``; KVarN
+  exactly, a rotating cache once decoding), and while it prefills one chunk's overshoot past the
+  window rides on the transient;
 - a sliding-window layer (its model's own cache): at most ``window + chunk`` fp16 tokens (a bound);
 - any other cache (recurrent state): its size after one token, measured at load (constant).
 """
@@ -63,14 +66,22 @@ class Pricing:
     context_length: int
     prefill_chunk: int
 
+    def held_tokens(self, tokens: int) -> int:
+        """Tokens a row of ``tokens`` keeps in a layout layer: all of them, or at most its window
+        (``--max-kv-size``: a windowed row is priced at its window)."""
+        window = self.layout.max_kv_size
+        return tokens if window is None else min(tokens, window)
+
     def sequence_bytes(self, tokens: int) -> int:
-        """Exact KV bytes of one sequence of ``tokens`` tokens (all layers)."""
+        """Exact KV bytes of one sequence of ``tokens`` tokens (all layers; a windowed row's at
+        most its window's: KVarN's sink, the records within the window and the tail, exactly;
+        a rotating fp16 / affine row's ``min(tokens, window)`` token slots once decoding)."""
         if tokens <= 0:
             return 0
         total = 0
         for layer in self.layers:
             if layer.kind == "layout":
-                total += self.layout.sequence_bytes(tokens, layer.head_dim, layer.n_kv_heads)
+                total += self.layout.sequence_bytes(self.held_tokens(tokens), layer.head_dim, layer.n_kv_heads)
             elif layer.kind == "window":
                 held = min(tokens, layer.window + self.prefill_chunk)
                 total += 2 * held * layer.n_kv_heads * layer.head_dim * layer.dtype_bytes
@@ -79,9 +90,10 @@ class Pricing:
         return total
 
     def records(self, tokens: int) -> int:
-        """KVarN: record blocks of a sequence of ``tokens`` tokens (full tiles after the sink)."""
+        """KVarN: record blocks of a sequence of ``tokens`` tokens (full tiles after the sink;
+        a windowed row holds at most its window's)."""
         G = self.layout.tile_size
-        return max(0, tokens - G) // G
+        return max(0, self.held_tokens(tokens) - G) // G
 
     def block_bytes(self) -> int:
         """KVarN: one record block, every layer (what ``sequence_bytes`` adds per full tile)."""
@@ -103,11 +115,25 @@ class Pricing:
         if widest is None or tokens <= 0:
             return 0
         chunk = min(tokens, self.prefill_chunk)
+        overshoot = 0
+        window = self.layout.max_kv_size
+        if window is not None and tokens > window:  # a chunk attends at most the window and itself
+            tokens = min(tokens, window + chunk)
+            overshoot = self._window_overshoot(chunk)
         scores = self.n_q_heads * chunk * tokens * 4
         history = 0
         if self.layout.scheme == "kvarn":
             history = 2 * tokens * widest.n_kv_heads * widest.head_dim * (2 + widest.dtype_bytes)
-        return scores + history
+        return scores + history + overshoot
+
+    def _window_overshoot(self, chunk: int) -> int:
+        """What a windowed row may hold past its window while a prompt chunk runs: KVarN the
+        records of the chunk's own tiles (dropped once the chunk is done), a rotating cache the
+        chunk's tokens (trimmed by the next token), every layout layer."""
+        if self.layout.scheme == "kvarn":
+            return (chunk // self.layout.tile_size + 1) * self.block_bytes()
+        return sum(int(round(chunk * self.layout.bytes_per_token(l.head_dim, l.n_kv_heads)))
+                   for l in self.layers if l.kind == "layout")
 
     def reserved_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
         return min(prompt_tokens + max_tokens, self.context_length)

@@ -123,7 +123,8 @@ def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.
 
 
 def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, rec_k: mx.array | None,
-                         rec_v: mx.array | None, chunk: Chunk, G: int, scale: float) -> mx.array:
+                         rec_v: mx.array | None, chunk: Chunk, G: int, scale: float, *, rec_first: int = 0,
+                         window: int | None = None) -> mx.array:
     """A prompt chunk (the first one too), each token seeing what decode would have shown it.
 
     Decode at position p attends to the sink, the records of every tile committed once p is in
@@ -133,7 +134,9 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
     continues exactly as the row that made it would have. ``sink_*`` and ``rec_*`` [1, H, n, D]
     are the row's history in the attention dtype (``rec_*`` None: no records yet; they include the
     tiles this chunk committed); ``chunk.window_*`` the tail before the chunk and the chunk's own
-    tokens in float16.
+    tokens in float16. A windowed row (``--max-kv-size``: ``window`` tokens, ``kvarn.window``)
+    passes the records from ``rec_first`` on (its table: what the chunk's first token still
+    attends), and each token's records are cut to its own window.
 
     One fused SDPA for the whole chunk, over every key any of its tokens may see, under an additive
     mask (``chunk_view_mask``, built once per chunk and shared by all layers):
@@ -142,7 +145,8 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
         query p, tile t = p // G, sees
           sink key j        j <= p
           record r          p >= (r + 2) * G - 1     (record r is tile r + 1; committed once its
-                                                      last token is in)
+                                                      last token is in), and, in a window,
+                            r >= evicted_records(p + 1, window, G)
           window key at w   w // G == t, w <= p, and p is not its tile's last token
                             (the last one sees its tile as a record instead)
 
@@ -159,6 +163,8 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
         parts_k.append(rec_k)
         parts_v.append(rec_v)
         num_records = rec_k.shape[2] // G
+    if rec_first and window is None:
+        raise ValueError("records start past record 0 only in a windowed row")
     window_start = end
     if chunk.window_k is not None:
         parts_k.append(chunk.window_k.astype(sink_k.dtype))
@@ -166,7 +172,7 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
         window_start = chunk.window_start
     keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k, axis=2)
     values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
-    mask = chunk_view_mask(start, end, sink_k.shape[2], num_records, window_start, G, q.dtype)
+    mask = chunk_view_mask(start, end, sink_k.shape[2], num_records, window_start, G, q.dtype, rec_first, window)
     out = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
                                                mask=mask)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
@@ -176,18 +182,23 @@ _mask_memo: list = [None, None]  # [key, mask]: the latest chunk's mask (every l
 
 
 def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, window_start: int, G: int,
-                    dtype: mx.Dtype) -> mx.array:
+                    dtype: mx.Dtype, rec_first: int = 0, window: int | None = None) -> mx.array:
     """The additive mask [L, sink_len + num_records * G + (end - window_start)] of
     ``chunk_attention_over`` for queries at positions ``start .. end - 1`` (0 where a key is seen,
-    -inf where not), memoized for the latest chunk: every layer of a chunk shares one array."""
-    key = (start, end, sink_len, num_records, window_start, G, dtype)
+    -inf where not) over records ``rec_first .. rec_first + num_records - 1``, memoized for the
+    latest chunk: every layer of a chunk shares one array."""
+    key = (start, end, sink_len, num_records, window_start, G, dtype, rec_first, window)
     if _mask_memo[0] == key:
         return _mask_memo[1]
     i32 = mx.int32
     p = mx.arange(start, end, dtype=i32)[:, None]
     seen = [mx.arange(sink_len, dtype=i32)[None] <= p]
     if num_records:
-        seen.append(p >= (mx.arange(num_records * G, dtype=i32)[None] // G + 2) * G - 1)
+        r = mx.arange(rec_first * G, (rec_first + num_records) * G, dtype=i32)[None] // G
+        rec_ok = p >= (r + 2) * G - 1
+        if window is not None:
+            rec_ok = rec_ok & (r >= evicted_records_at(p + 1, window, G))
+        seen.append(rec_ok)
     if window_start < end:
         w = mx.arange(window_start, end, dtype=i32)[None]
         seen.append((w // G == p // G) & (w <= p) & (p % G != G - 1))
@@ -195,6 +206,14 @@ def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, windo
     mask = mx.where(ok, mx.array(0, dtype), mx.array(-float("inf"), dtype))
     _mask_memo[0], _mask_memo[1] = key, mask
     return mask
+
+
+def evicted_records_at(n: mx.array, window: int, G: int) -> mx.array:
+    """``kvarn.window.evicted_records`` for an array of token counts ``n`` (int32)."""
+    committed = mx.maximum(n - G, 0) // G
+    tail = mx.where(n > G, (n - G) % G, 0)
+    keep = mx.maximum((window - G - tail) // G, 0)
+    return mx.maximum(committed - keep, 0)
 
 
 def kvarn_attention(queries: mx.array, cache: KVarNKVCache, scale: float, mask: Any) -> mx.array:

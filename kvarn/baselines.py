@@ -64,7 +64,9 @@ def make_cache(model: nn.Module, layout: KVLayout, capacity: int | None = None) 
     """A fresh per-sequence cache (one entry per layer) for ``layout``.
 
     Only plain full-attention layers (mlx-lm ``KVCache``) take the layout; layers with a cache
-    structure of their own (sliding windows, recurrent state) keep it, unquantized for now.
+    structure of their own (sliding windows, recurrent state) keep it, unquantized for now. With
+    ``layout.max_kv_size`` fp16 / affine layers are rotating windows (``kvarn.rotating``) and
+    KVarN layers windowed single-stream caches.
     """
     return [_for_layer(cache, layout, capacity) for cache in make_prompt_cache(model)]
 
@@ -72,6 +74,10 @@ def make_cache(model: nn.Module, layout: KVLayout, capacity: int | None = None) 
 def _for_layer(cache: Any, layout: KVLayout, capacity: int | None) -> Any:
     if type(cache) is not KVCache:
         return cache
+    if layout.max_kv_size is not None and layout.scheme != "kvarn":
+        from kvarn.rotating import make_window_cache
+
+        return make_window_cache(layout, capacity)
     if layout.scheme == "fp16":
         return FP16KVCache(capacity)
     if layout.scheme == "affine":
@@ -88,9 +94,11 @@ def uses_layout(cache: Any) -> bool:
 
 
 def count_quantized_layers(model: nn.Module, layout: KVLayout) -> tuple[int, int]:
-    """(layers that use ``layout``, all layers)."""
+    """(layers that use ``layout``, windowed fp16 / affine rows included, all layers)."""
+    from kvarn.rotating import WINDOW_CACHES
+
     caches = make_cache(model, layout)
-    return sum(uses_layout(c) for c in caches), len(caches)
+    return sum(uses_layout(c) or isinstance(c, WINDOW_CACHES) for c in caches), len(caches)
 
 
 def fork_cache(cache: list[Any]) -> list[Any]:

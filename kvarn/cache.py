@@ -136,11 +136,31 @@ class KVarNKVCache(KVarNRowProtocol):
         self.tail_len = 0
         self.records = RecordStore(layout)
         self.chunk: Chunk | None = None
+        self.evicted = 0  # records a windowed cache dropped (``layout.max_kv_size``; ``kvarn.window``)
 
     # --- writing ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        self._evict(keys.shape[2])
         self.write_chunk(keys, values)
         return self, self
+
+    def _evict(self, num_new: int) -> None:
+        """A windowed cache drops the records its next token no longer attends. Its prompt
+        chunks must stay within the window (their attention, ``kvarn.attention.chunk_attention``,
+        sees every record; the engine's paged rows attend window by window instead)."""
+        window = getattr(self.layout, "max_kv_size", None)
+        if window is None:
+            return
+        from kvarn.window import evicted_records
+
+        G = self.layout.tile_size
+        first = evicted_records(self.offset + 1, window, G)
+        if num_new > 1 and evicted_records(self.offset + num_new, window, G) > first:
+            raise ValueError(f"a windowed single-stream KVarN cache takes prompt chunks within its window "
+                             f"({window} tokens), not tokens {self.offset}..{self.offset + num_new - 1}")
+        if first > self.evicted:
+            self.records.drop_front(first - self.evicted)
+            self.evicted = first
 
     def _window_for(self, keys: mx.array) -> mx.Dtype:
         B, H, _, D = keys.shape
@@ -191,6 +211,8 @@ class KVarNKVCache(KVarNRowProtocol):
         """The first ``count`` blocks of this row: block 0 is the float16 sink, block i > 0 is
         record i - 1. Arrays are shared, never copied (they are never written in place)."""
         G = self.layout.tile_size
+        if self.evicted:
+            raise ValueError("a windowed row that evicted records has no whole prefix of blocks")
         if count < 0 or count > (1 + self.records.num_tiles if self.offset >= G else 0):
             raise ValueError(f"a row of {self.offset} tokens ({self.records.num_tiles} records) has no {count} "
                              "whole blocks")
@@ -291,6 +313,7 @@ class KVarNKVCache(KVarNRowProtocol):
         """Rebuild a cache from ``state`` and ``meta_state`` (the layout comes from the latter)."""
         cache = cls.__new__(cls)
         cache.records = None
+        cache.evicted = 0
         cache.meta_state = meta_state
         cache.state = state
         return cache

@@ -18,6 +18,7 @@ PRESETS = {"k4v2": (4, 2), "k4v4": (4, 4), "k8v8": (8, 8), "k3v3": (3, 3), "k2v2
 TILES = (64, 128)
 AFFINE_GROUPS = (32, 64, 128)
 DEFAULT_ITERS = 8
+ROTATING_KEEP = 4  # tokens mlx-lm's max_kv_size keeps at the start of a rotating cache (fp16 / affine windows)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -28,6 +29,13 @@ class KVLayout:
     ``kvarn``: K/V quantized in tiles of ``tile_size`` tokens (sink and tail in float16).
     ``affine``: mlx-lm's ``QuantizedKVCache`` (``key_bits == value_bits``, ``group_size``).
     ``fp16``: unquantized; K/V kept in ``storage_dtype`` (the model's compute dtype).
+
+    ``max_kv_size`` (None: unbounded): the attention window of every row (``--max-kv-size``).
+    KVarN rows keep their sink and the newest whole record blocks such that sink + records + tail
+    <= N tokens (``kvarn.window``); fp16 / affine rows are rotating caches of N tokens keeping the
+    first ``ROTATING_KEEP`` (as mlx-lm's ``max_kv_size``, ``kvarn.rotating``). RoPE positions stay
+    the true ones. It is part of the stamp (a windowed row's blocks are not an unwindowed row's),
+    left out of it when None so unwindowed stamps are what they were.
     """
 
     scheme: str = "kvarn"
@@ -38,12 +46,18 @@ class KVLayout:
     iters: int = DEFAULT_ITERS
     storage_dtype: str = "float16"
     format_version: int = FORMAT_VERSION
+    max_kv_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ValueError(f"KV scheme must be one of {', '.join(SCHEMES)}, not {self.scheme!r}")
         if self.storage_dtype not in _DTYPE_BYTES:
             raise ValueError(f"unsupported KV storage dtype {self.storage_dtype!r}")
+        if self.max_kv_size is not None:
+            low = self.min_window
+            if isinstance(self.max_kv_size, bool) or not isinstance(self.max_kv_size, int) or self.max_kv_size < low:
+                raise ValueError(f"max_kv_size must be an integer >= {low} for {self.scheme} "
+                                 f"({self._window_floor_reason}), not {self.max_kv_size!r}")
         if self.scheme == "fp16":
             return
         for name, bits in (("key", self.key_bits), ("value", self.value_bits)):
@@ -81,13 +95,30 @@ class KVLayout:
     def with_storage_dtype(self, dtype: str) -> KVLayout:
         return replace(self, storage_dtype=dtype)
 
+    def with_window(self, max_kv_size: int | None) -> KVLayout:
+        return replace(self, max_kv_size=max_kv_size)
+
+    @property
+    def min_window(self) -> int:
+        """The smallest ``max_kv_size``: KVarN needs its sink and a whole tail (2 tiles); a
+        rotating cache needs more than the tokens it keeps."""
+        return 2 * self.tile_size if self.scheme == "kvarn" else ROTATING_KEEP + 1
+
+    @property
+    def _window_floor_reason(self) -> str:
+        if self.scheme == "kvarn":
+            return f"the float16 sink and tail: 2 tiles of {self.tile_size}"
+        return f"more than the {ROTATING_KEEP} tokens a rotating cache keeps"
+
     @property
     def name(self) -> str:
         if self.scheme == "kvarn":
-            return f"kvarn-k{self.key_bits}v{self.value_bits}-g{self.tile_size}"
+            return f"kvarn-k{self.key_bits}v{self.value_bits}-g{self.tile_size}" + (
+                f"-w{self.max_kv_size}" if self.max_kv_size is not None else "")
+        window = f"-w{self.max_kv_size}" if self.max_kv_size is not None else ""
         if self.scheme == "affine":
-            return f"affine-{self.key_bits}-g{self.group_size}"
-        return f"fp16-{self.storage_dtype}"
+            return f"affine-{self.key_bits}-g{self.group_size}{window}"
+        return f"fp16-{self.storage_dtype}{window}"
 
     @staticmethod
     def slice_width(head_dim: int) -> int:
@@ -133,7 +164,10 @@ class KVLayout:
         return "float32" if self.storage_dtype == "float32" else "float16"
 
     def stamp(self, model_fingerprint: str) -> str:
-        payload = json.dumps({"layout": asdict(self), "model": model_fingerprint}, sort_keys=True)
+        fields = asdict(self)
+        if fields["max_kv_size"] is None:  # unwindowed stamps are those of layouts before windows
+            del fields["max_kv_size"]
+        payload = json.dumps({"layout": fields, "model": model_fingerprint}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def describe(self, model_fingerprint: str) -> dict[str, object]:
@@ -150,4 +184,5 @@ class KVLayout:
             "iters": self.iters if self.scheme == "kvarn" else None,
             "format_version": self.format_version,
             "stamp": self.stamp(model_fingerprint),
+            **({"max_kv_size": self.max_kv_size} if self.max_kv_size is not None else {}),
         }

@@ -31,17 +31,20 @@ from kvarn.pool import (RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, deq
                         record_shapes)
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
+from kvarn.window import evicted_records
 
 
 class PagedRow:
     """One sequence's storage in the pool: its record block table and window slot, and one
     ``PagedLayer`` view per layer that takes the layout (``layer_ids``)."""
 
-    def __init__(self, pool: KVarNPool, layer_ids: Sequence[int]) -> None:
+    def __init__(self, pool: KVarNPool, layer_ids: Sequence[int], max_kv_size: int | None = None) -> None:
         self.pool = pool
         pool.rows_made += 1
         self.serial = pool.rows_made
-        self.table: list[int] = []
+        self.max_kv_size = max_kv_size  # the attention window in tokens (None: unbounded; ``kvarn.window``)
+        self.table: list[int] = []  # blocks of records first, first + 1, ...
+        self.first = 0  # records before it were evicted (windowed rows only)
         self.sink: tuple[int, object] | None = None  # (id, key) of the cached copy of its sink, if any
         self.slot = pool.allocate("windows", 1)[0]
         pool.window_rows[self.slot] = self
@@ -54,19 +57,47 @@ class PagedRow:
 
     def blocks_for(self, first: int, n: int) -> list[int]:
         """Blocks of records ``first .. first + n - 1`` (the missing ones taken in one allocation)."""
-        missing = first + n - len(self.table)
+        at = first - self.first
+        if at < 0:
+            raise ValueError(f"record {first} committed after it was evicted (the table starts at {self.first})")
+        missing = at + n - len(self.table)
         if missing > 0:
-            if first > len(self.table):
-                raise ValueError(f"record {first} committed before record {len(self.table)}")
+            if at > len(self.table):
+                raise ValueError(f"record {first} committed before record {self.first + len(self.table)}")
             self.table += self.pool.allocate("records", missing)
-        return self.table[first: first + n]
+        return self.table[at: at + n]
+
+    def record_block(self, record: int) -> int | None:
+        """The block of record ``record``, None if it is not in the table (evicted or not yet committed)."""
+        at = record - self.first
+        return self.table[at] if 0 <= at < len(self.table) else None
+
+    def kept(self, num_tokens: int, num_records: int) -> list[int]:
+        """The blocks a layer view of ``num_records`` committed records attends once the row holds
+        ``num_tokens`` tokens: the whole table without a window, its newest records within it."""
+        lo = max(evicted_records(num_tokens, self.max_kv_size, self.pool.layout.tile_size) - self.first, 0)
+        return self.table[lo: num_records - self.first]
+
+    def evict(self) -> None:
+        """Drop the records no layer will attend again from the table (windowed rows): those
+        before the window of the next token of the layer that is furthest behind (layers take a
+        prompt chunk one after the other, so one may still read what another is done with).
+        Their blocks are decref'd back to the pool (a block the prefix cache hashed stays cached)."""
+        if self.max_kv_size is None:
+            return
+        offset = min(view.offset for view in self.layers.values())
+        drop = evicted_records(offset + 1, self.max_kv_size, self.pool.layout.tile_size) - self.first
+        if drop > 0:
+            gone, self.table = self.table[:drop], self.table[drop:]
+            self.first += len(gone)
+            self.pool.records.decref(gone)
 
     def fork(self) -> PagedRow:
         """A second row with this history: the table's blocks are shared by count, never copied;
         the window (2G float16 tokens: sink and tail) is copied into the fork's own slot."""
         pool = self.pool
-        child = PagedRow(pool, self.layers)
-        child.table = list(self.table)
+        child = PagedRow(pool, self.layers, self.max_kv_size)
+        child.table, child.first = list(self.table), self.first
         pool.records.incref(child.table)
         child.sink = self.sink
         for l, view in self.layers.items():
@@ -140,8 +171,10 @@ def block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
 class PagedLayer(KVarNRowProtocol):
     """Layer ``l`` of a paged row, speaking mlx-lm's cache protocol (one row's prompt chunks run
     through it; decode runs through ``PagedBatch``). Invariants as ``KVarNKVCache``: ``offset`` =
-    tokens seen; the sink holds ``min(offset, G)``; ``num_tiles`` records hold ``num_tiles * G``;
-    the tail holds ``tail_len`` < G; trim is tail-only."""
+    tokens seen; the sink holds ``min(offset, G)``; ``num_tiles`` records were committed (the
+    true count: positions follow from it), ``num_tiles * G`` tokens; the tail holds ``tail_len``
+    < G; trim is tail-only. A windowed row's table holds only records ``row.first ..``
+    (``PagedRow.kept``: the ones this view attends)."""
 
     def __init__(self, row: PagedRow, l: int) -> None:
         self.row = row
@@ -163,6 +196,7 @@ class PagedLayer(KVarNRowProtocol):
             decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
             self.chunk = None
             return self, self
+        self.row.evict()
         self.write_chunk(keys, values)
         return self, self
 
@@ -203,14 +237,16 @@ class PagedLayer(KVarNRowProtocol):
 
     # --- reading one row (prefill attention) ---
     def history(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
-        """(sink_k, sink_v) [1,H,sink_len,D] and the dequantized records [1,H,n*G,D] (None if none)."""
+        """(sink_k, sink_v) [1,H,sink_len,D] and the dequantized records [1,H,n*G,D] (None if none):
+        records ``row.first .. num_tiles - 1`` (all of them unless the row is windowed)."""
         a = self.row.pool.layers[self.l]
         slot = mx.array([self.row.slot], dtype=mx.int32)
         sink_k = a.win_k[slot][..., : self.sink_len, :].astype(dtype)
         sink_v = a.win_v[slot][..., : self.sink_len, :].astype(dtype)
-        if not self.num_tiles:
+        blocks = self.row.table[: self.num_tiles - self.row.first]  # a windowed row's: from record ``row.first``
+        if not blocks:
             return sink_k, sink_v, None, None
-        table = mx.array(self.row.table[: self.num_tiles], dtype=mx.int32)[None]
+        table = mx.array(blocks, dtype=mx.int32)[None]
         rec_k, rec_v = dequantize_blocks(self.row.pool.gather_records(self.l, table), self.layout, dtype)
         return sink_k, sink_v, rec_k, rec_v
 
@@ -226,7 +262,8 @@ class PagedLayer(KVarNRowProtocol):
             return 0
         H, D = shape
         G = self.layout.tile_size
-        return 4 * G * H * D * self.row.pool.window_dtype.size + self.num_tiles * block_nbytes(self.layout, H, D)
+        records = len(self.row.table[: self.num_tiles - self.row.first])
+        return 4 * G * H * D * self.row.pool.window_dtype.size + records * block_nbytes(self.layout, H, D)
 
     @property
     def state(self) -> list[mx.array]:

@@ -68,12 +68,16 @@ def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
             tail_len.append(0), num_tiles.append(view.num_tiles + 1)
         else:
             tail_len.append(view.tail_len + 1), num_tiles.append(view.num_tiles)
+    for view in layers:  # windowed rows drop what the new token no longer attends (before taking blocks)
+        view.row.evict()
     blocks = tuple(layers[b].row.block_for(layers[b].num_tiles) for b in commits)
+    kept = [view.row.kept(view.offset + 1, n) for view, n in zip(layers, num_tiles)]  # the whole table unwindowed
+    num_tiles = [len(k) for k in kept]  # records in each row's table row (a windowed row's start mid-sequence)
     nb = max(num_tiles)
     i32 = mx.int32
     table = None
     if nb:
-        table = mx.array([view.row.table[:n] + [PAD] * (nb - n) for view, n in zip(layers, num_tiles)], dtype=i32)
+        table = mx.array([k + [PAD] * (nb - len(k)) for k in kept], dtype=i32)
     slots = [view.row.slot for view in layers]
     windows = (slots[0], slots[0] + len(slots)) if slots == list(range(slots[0], slots[0] + len(slots))) \
         else mx.array(slots, dtype=i32)
@@ -328,7 +332,8 @@ def paged_attention(queries: mx.array, cache: PagedLayer | PagedBatch, scale: fl
     chunk = cache.chunk
     if chunk is not None and (queries.shape[2] > 1 or chunk.start == 0):  # a prompt chunk (the first too)
         sink_k, sink_v, rec_k, rec_v = cache.history(attention_dtype(queries))
-        return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, cache.layout.tile_size, scale)
+        return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, cache.layout.tile_size, scale,
+                                    rec_first=cache.row.first, window=cache.row.max_kv_size)
     return decode_attention(queries, [cache], step_index_after(cache), scale)
 
 

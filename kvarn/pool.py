@@ -28,7 +28,8 @@ LRU queue of cached ones (lazy eviction as in vLLM v1's block pool): a hashed bl
 drops to 0 is cached, keeps its hash and stays findable (``lookup``) until it is evicted, least
 recently released first (by the pool past ``max_blocks``, or by the prefix cache when admission
 needs its room: ``evict_to``). Arrays grow by doubling when no plain id is left (one copy,
-amortized); a block's bytes are never moved otherwise, and nothing in the pool is ever written
+amortized) and shrink only past the highest id in use (``shrink``, when the engine is idle); a
+block's bytes are never moved otherwise, and nothing in the pool is ever written
 except through ``write_*`` / ``save_sink`` with fresh ids, so MLX updates the arrays in place (the
 pool holds the only reference).
 """
@@ -90,6 +91,18 @@ class BlockAllocator:
         self.free.update((i, None) for i in range(self.capacity, capacity))
         self.refs += [0] * (capacity - self.capacity)
         self.capacity = capacity
+
+    def shrink(self) -> int:
+        """Drop the plain free ids above the highest id in use (held or cached), down to the pad
+        alone; returns the new capacity. Ids in use are never moved."""
+        capacity = self.capacity
+        while capacity > 1 and capacity - 1 in self.free:
+            capacity -= 1
+        for block in range(capacity, self.capacity):
+            del self.free[block]
+        del self.refs[capacity:]
+        self.capacity = capacity
+        return capacity
 
     def allocate(self, n: int) -> list[int]:
         """``n`` plain ids with count 1 (lowest first or least recently freed first). The caller
@@ -373,6 +386,33 @@ class KVarNPool:
             a.sink_k, a.sink_v = _grown(a.sink_k, self.sinks.capacity), _grown(a.sink_v, self.sinks.capacity)
         if a.records["k_codes"].shape[0] < self.records.capacity:
             a.records = {name: _grown(x, self.records.capacity) for name, x in a.records.items()}
+
+    def shrink(self) -> int:
+        """Give back the arrays' rows past the highest id in use of each kind (plain free ids at the
+        end: all of them once no row holds any and the prefix cache keeps none), as fresh copies,
+        so the larger buffers are freed; returns the bytes released. Arrays grow by doubling and
+        never shrink otherwise: after a burst of rows they would keep its high-water mark. The
+        engine calls this when it goes idle (``Engine.release_idle_memory``)."""
+        before = self.nbytes()
+        for kind in ("records", "windows", "sinks"):
+            getattr(self, kind).shrink()
+        fresh = []
+        for l, a in enumerate(self.layers):
+            if self.shapes[l] is None:
+                continue
+            if a.records["k_codes"].shape[0] > self.records.capacity:
+                a.records = {name: mx.array(x[: self.records.capacity]) for name, x in a.records.items()}
+                fresh += a.records.values()
+            if a.win_k.shape[0] > self.windows.capacity:
+                a.win_k, a.win_v = (mx.array(x[: self.windows.capacity]) for x in (a.win_k, a.win_v))
+                fresh += [a.win_k, a.win_v]
+            if a.sink_k.shape[0] > self.sinks.capacity:
+                a.sink_k, a.sink_v = (mx.array(x[: self.sinks.capacity]) for x in (a.sink_k, a.sink_v))
+                fresh += [a.sink_k, a.sink_v]
+        if fresh:
+            mx.eval(fresh)  # the copies exist now: the old buffers go with their last reference
+            self.step_memo = None
+        return before - self.nbytes()
 
     def write_records(self, l: int, blocks: Sequence[int], fields: dict[str, mx.array]) -> None:
         """Blocks ``blocks`` of layer ``l`` := ``fields`` (block-major, one entry per block)."""

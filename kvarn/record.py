@@ -91,6 +91,21 @@ class RecordStore:
                                                                axis=TILE_AXIS[name]) for name in _FIELDS})
         self.num_tiles += num_new
 
+    def drop_front(self, n: int) -> None:
+        """Forget the ``n`` oldest records (a windowed row's evicted ones): the arrays become
+        slices of the newer ones (the next commit's concatenation copies them out)."""
+        if not 0 <= n <= self.num_tiles:
+            raise ValueError(f"cannot drop {n} of {self.num_tiles} records")
+        if n == 0:
+            return
+        self.num_tiles -= n
+        if self.num_tiles == 0:
+            self.arrays = None
+            return
+        assert self.arrays is not None
+        self.arrays = RecordArrays(**{name: getattr(self.arrays, name)[
+            (slice(None),) * TILE_AXIS[name] + (slice(_tile_len(name, n, self.layout), None),)] for name in _FIELDS})
+
     def fork(self) -> RecordStore:
         """A store sharing these records (safe: they are never written in place)."""
         other = RecordStore(self.layout)

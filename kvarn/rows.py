@@ -8,7 +8,8 @@
   tier), which needs each layer's own ``state``.
 - fp16 / affine: every plain attention layer's rows share one slot buffer per layer
   (``kvarn.slots``), so a decode batch runs one fused attention per layer; other layers keep
-  their model's own caches.
+  their model's own caches. With ``--max-kv-size`` they are rotating caches of their own
+  (``kvarn.rotating``, as mlx-lm's ``max_kv_size``), batched row by row.
 - Without a capacity (rows made outside the engine) the per-row caches of ``kvarn.baselines``.
 """
 
@@ -36,7 +37,13 @@ class RowStore:
         self.num_layers = len(base)
         paged = layout.scheme == "kvarn" and all(type(c) is KVCache for c in base)
         self.pool = KVarNPool(layout, self.num_layers) if paged else None
-        self.slots = make_stores(model, layout) if layout.scheme != "kvarn" else None
+        if layout.scheme == "kvarn" and layout.max_kv_size is not None and not paged:
+            raise ValueError("--max-kv-size with kvarn needs a model whose every layer is plain attention "
+                             "(its rows in the block pool); this model has layers of its own (sliding windows, "
+                             "recurrent state): use --kv-scheme fp16 or affine")
+        # windowed fp16 / affine rows are rotating caches of their own (``kvarn.rotating``), not slots
+        windowed = layout.max_kv_size is not None
+        self.slots = make_stores(model, layout) if layout.scheme != "kvarn" and not windowed else None
 
     @property
     def paged(self) -> bool:
@@ -53,8 +60,15 @@ class RowStore:
             return make_row_cache(self.model, self.slots, capacity)
         if self.pool is None:
             return make_cache(self.model, self.layout, capacity)
-        row = PagedRow(self.pool, range(self.num_layers))
+        row = PagedRow(self.pool, range(self.num_layers), self.layout.max_kv_size)
         return [row.layers[l] for l in range(self.num_layers)]
+
+    @staticmethod
+    def settle(cache: list[Any]) -> None:
+        """After a prompt chunk was evaluated: a windowed paged row drops the records its next
+        token will not attend (every layer has read them by now)."""
+        if cache and isinstance(cache[0], PagedLayer):
+            cache[0].row.evict()
 
     def fork(self, cache: list[Any]) -> list[Any]:
         """A second row with the same history (``n > 1``): shared blocks, no re-quantization."""

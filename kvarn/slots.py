@@ -68,6 +68,7 @@ class SlotStore:
         self.bits = bits
         self.group_size = group_size
         self.token_step = token_step
+        self._initial_slots = slots
         self._rows: list[SlotRow | None] = [None] * slots  # slot -> its row
         self._tokens = 0  # T_cap
         self._buffers: list[mx.array] = []  # keys parts, then values parts; empty until written
@@ -111,6 +112,20 @@ class SlotStore:
         row = SlotRow(self, slot, capacity)
         self._rows[slot] = row
         return row
+
+    def shrink(self) -> int:
+        """With no live row, give the buffers back (the next row allocates them again at its
+        first write, as at start); returns the bytes released. Buffers grow by copy and never
+        shrink otherwise: after a burst of rows they would keep its high-water mark. The engine
+        calls this when it goes idle (``Engine.release_idle_memory``)."""
+        if any(row is not None for row in self._rows):
+            return 0
+        released = self.nbytes
+        self._buffers = []
+        self._rows = [None] * self._initial_slots
+        self._tokens = 0
+        self._window_end = 0
+        return released
 
     # --- buffers ---
 

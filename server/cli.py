@@ -52,6 +52,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                     help="--kv-layout auto without stored advice: prompts measured at start-up (default: %(default)s)")
     kv.add_argument("--advise-tokens", type=int, default=384,
                     help="--kv-layout auto without stored advice: decode positions a prompt (default: %(default)s)")
+    kv.add_argument("--max-kv-size", type=_window, default=None, metavar="N",
+                    help="attention window of every row in tokens, any scheme: KVarN keeps the sink and the "
+                         "newest whole tiles within N (N >= 2 tiles), fp16/affine are rotating caches of N "
+                         "keeping the first 4 tokens, as mlx-lm's max_kv_size; a row's KV bytes stay flat at "
+                         "N tokens however long it generates (default: none: unbounded)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,11 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     kld.add_argument("--dtype", choices=_DTYPES, default="auto", help="compute dtype (as for serve)")
     kld.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
     kld.add_argument("--arms", default=None,
-                     help="comma-separated arms: fp16, kvarn:kXvY[:gG], affine:B[:gG] (default: kvarn k8v8, "
+                     help="comma-separated arms: fp16, kvarn:kXvY[:gG], affine:B[:gG], each with an optional "
+                          ":wN window (default: kvarn k8v8, "
                           "k4v4, k4v2, k3v3, k2v2 and affine 8 and 4 with group 64)")
     kld.add_argument("--prompts", type=int, default=8, help="number of shipped held-out prompts (max 10)")
     kld.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
     kld.add_argument("--tokens", type=int, default=2048, help="decode positions per prompt")
+    kld.add_argument("--max-kv-size", type=_window, default=None, metavar="N",
+                     help="attention window of every arm that names none of its own (an arm's :wN); the "
+                          "reference stays unbounded fp16 (default: none)")
     advise = sub.add_parser("advise", help="measure which KV layout to serve this model with",
                             description="Teacher-force the model's own greedy continuations of shipped generic "
                                         "prompts through every candidate layout (KVarN k8v8 ... k2v2, affine 8 "
@@ -230,7 +239,36 @@ def _size(text: str) -> int:
     return int(float(match[1]) * _UNITS[unit])
 
 
+def _window(text: str) -> int:
+    """A ``--max-kv-size``: a positive number of tokens (each scheme's own floor is checked with
+    the layout, at start)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {value}")
+    return value
+
+
 def _kv_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after the re-exec)
+    from dataclasses import replace
+
+    config = _kv_layout_config(args)
+    window = getattr(args, "max_kv_size", None)
+    if window is None:
+        return config
+    from engine.kv_config import check_window
+
+    config = replace(config, max_kv_size=window)
+    try:
+        check_window(config)  # the floor of the scheme's window, before anything loads
+    except ValueError as exc:
+        raise SystemExit(f"kvarn: --max-kv-size: {exc}") from None
+    return config
+
+
+def _kv_layout_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after the re-exec)
     from engine import KVConfig
 
     if args.kv_layout is not None:
@@ -338,7 +376,11 @@ def _run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     # one request in a process of its own: nothing could ever reuse its blocks
-    engine = make_engine(loaded, kv=_kv_config(args), apc=ApcConfig(enabled=False))
+    try:
+        engine = make_engine(loaded, kv=_kv_config(args), apc=ApcConfig(enabled=False))
+    except ValueError as exc:  # a layout this model cannot run (e.g. a KVarN window on layers of its own)
+        print(f"kvarn: {exc}", file=sys.stderr)
+        return 2
     engine.add_request(Request(RequestId("run"), prompt, SamplingParams(
         max_tokens=max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)))
     while engine.has_work():
@@ -388,10 +430,13 @@ def _kld(args: argparse.Namespace) -> int:
     from engine.kld_report import write_reports
 
     arms = tuple(a.strip() for a in args.arms.split(",")) if args.arms else DEFAULT_ARMS
-    config = KldConfig(arms, args.prompts, args.prompt_tokens, args.tokens)
+    config = KldConfig(arms, args.prompts, args.prompt_tokens, args.tokens, args.max_kv_size)
     loaded = load_model(args.model, args.dtype)
     with tqdm(total=config.gen_tokens, desc="kvarn kld", unit="pos", file=sys.stderr) as bar:
-        results, fp16_bytes = run_kld(loaded, config, bar.update)
+        try:
+            results, fp16_bytes = run_kld(loaded, config, bar.update)
+        except ValueError as exc:  # a bad arm, a window too small for the prompt, a context too short
+            raise SystemExit(f"kvarn kld: {exc}") from None
     print(write_reports(args.out, results, fp16_bytes, config, loaded.model_id))
     return 0
 

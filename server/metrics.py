@@ -70,6 +70,14 @@ class Metrics:
                                ("kvarn_num_requests_waiting", "waiting", "Requests waiting for admission"),
                                ("kvarn_kv_cache_bytes", "kv_bytes", "Bytes held by live KV caches"),
                                ("kvarn_kv_reserved_bytes", "reserved_bytes", "Bytes reserved by admitted requests"),
-                               ("kvarn_kv_budget_bytes", "budget_bytes", "The KV budget admission works within")):
+                               ("kvarn_kv_budget_bytes", "budget_bytes", "The KV budget admission works within"),
+                               ("kvarn_kv_allocated_bytes", "kv_allocated_bytes",
+                                "Bytes of KV storage allocated: the block pool's arrays or the slot buffers, free "
+                                "room included (they grow with the rows; the pool shrinks when the engine is idle)"),
+                               ("kvarn_mlx_active_memory_bytes", "mlx_active_bytes", "MLX arrays alive (bytes)"),
+                               ("kvarn_mlx_cache_memory_bytes", "mlx_cache_bytes",
+                                "Freed buffers MLX keeps for reuse (bytes; emptied when the engine is idle)"),
+                               ("kvarn_mlx_peak_memory_bytes", "mlx_peak_bytes",
+                                "The most MLX memory active at once since the server started (bytes)")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))
         r.register(PrefixCacheCollector(stats))

@@ -135,9 +135,18 @@ def test_parse_arm(spec, expected):
 
     kv = parse_arm(spec)
     assert (kv.scheme, kv.key_bits, kv.value_bits, kv.tile, kv.group_size) == expected
+    assert kv.max_kv_size is None
 
 
-@pytest.mark.parametrize("spec", ["kvarn", "kvarn:4", "affine:x", "fp16:8", "turbo:k4v2"])
+@pytest.mark.parametrize("spec,window", [("fp16:w512", 512), ("kvarn:k4v2:w1024", 1024), ("kvarn:k3v3:g64:w256", 256),
+                                         ("affine:4:w300", 300)])
+def test_parse_arm_takes_a_window(spec, window):
+    from engine.kld import parse_arm
+
+    assert parse_arm(spec).max_kv_size == window
+
+
+@pytest.mark.parametrize("spec", ["kvarn", "kvarn:4", "affine:x", "fp16:8", "turbo:k4v2", "fp16:w", "fp16:w8:g64"])
 def test_parse_arm_refuses_bad_specs(spec):
     from engine.kld import parse_arm
 
@@ -251,3 +260,53 @@ def test_kv_layout_auto_uses_stored_advice_measures_once_per_model_and_reports_i
 def test_kv_layout_conflicts_and_bad_specs_are_refused(args, message):
     result = kvarn("serve", *args, timeout=60)
     assert result.returncode != 0 and message in result.stderr
+
+
+# --- --max-kv-size ---
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-kv-size", "0"], "must be a positive number of tokens"),
+    (["--max-kv-size", "lots"], "not a number of tokens"),
+    (["--max-kv-size", "200"], "max_kv_size must be an integer >= 256 for kvarn"),
+    (["--kv-tile", "64", "--max-kv-size", "100"], "max_kv_size must be an integer >= 128 for kvarn"),
+    (["--kv-scheme", "fp16", "--max-kv-size", "4"], "more than the 4 tokens a rotating cache keeps"),
+])
+def test_bad_max_kv_size_is_refused_at_start(args, message):
+    result = kvarn("serve", *args, timeout=60)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_max_kv_size_parses_for_serve_run_bench_and_kld():
+    parser = build_parser()
+    for command in (["serve"], ["run", "--prompt", "x"], ["bench"], ["kld"]):
+        assert parser.parse_args([*command, "--max-kv-size", "1024"]).max_kv_size == 1024
+        assert parser.parse_args(command).max_kv_size is None
+    from server.cli import _kv_config
+
+    kv = _kv_config(parser.parse_args(["serve", "--kv-layout", "kvarn:k4v4", "--max-kv-size", "512"]))
+    assert (kv.scheme, kv.key_bits, kv.value_bits, kv.max_kv_size) == ("kvarn", 4, 4, 512)
+
+
+def test_run_generates_past_a_window():
+    result = kvarn("run", "--kv-scheme", "fp16", "--max-kv-size", "16", "--raw", "--prompt", "ls lists files",
+                   "--max-tokens", "40")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.strip()) > 0
+
+
+def test_kld_reports_window_arms(tmp_path):
+    """--max-kv-size windows every arm without a window of its own (named :wN); a 128-token
+    prompt and 320 positions run well past a 256-token window."""
+    result = kvarn("kld", "--arms", "fp16,kvarn:k4v2,kvarn:k4v4:w384,kvarn:k8v8", "--max-kv-size", "256",
+                   "--prompts", "1", "--prompt-tokens", "128", "--tokens", "320", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "kld.json").read_text())
+    arms = {a["arm"]: a for a in report["arms"]}
+    assert list(arms) == ["fp16:w256", "kvarn:k4v2:w256", "kvarn:k4v4:w384", "kvarn:k8v8:w256"]
+    assert report["layouts"]["kvarn:k4v4:w384"]["max_kv_size"] == 384 and report["config"]["max_kv_size"] == 256
+    assert arms["fp16:w256"]["mean_kld"] > 0  # the window alone costs something against the whole context
+    assert arms["kvarn:k8v8:w256"]["mean_kld"] < arms["kvarn:k4v2:w256"]["mean_kld"]
+    assert "`--max-kv-size 256`" in (tmp_path / "kld.md").read_text()
+    bad = kvarn("kld", "--arms", "kvarn:k4v2", "--max-kv-size", "256", "--prompts", "1", "--prompt-tokens", "300",
+                "--tokens", "8", "--out", str(tmp_path))
+    assert bad.returncode != 0 and "must fit a KVarN arm's window" in bad.stderr

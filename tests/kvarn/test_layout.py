@@ -150,7 +150,7 @@ def test_stamp_is_stable():
 
 
 CHANGES = {"scheme": "affine", "key_bits": 8, "value_bits": 4, "tile_size": 64, "group_size": 32, "iters": 4,
-           "storage_dtype": "float32", "format_version": 3}
+           "storage_dtype": "float32", "format_version": 3, "max_kv_size": 1024}
 
 
 def test_stamp_changes_with_every_field_and_the_fingerprint():

@@ -132,6 +132,62 @@ def test_pool_grows_by_doubling_and_keeps_contents():
     assert sorted(b for r in rows for b in r.table) == list(range(1, 10))
 
 
+def test_allocator_shrink_drops_only_the_trailing_free_ids():
+    a = BlockAllocator(capacity=9)  # ids 1..8
+    x = a.allocate(6)
+    assert a.set_hash(4, "h")
+    a.decref([x[1], x[3], x[4], x[5]])  # 2, 5, 6 plain free; 4 cached
+    assert a.shrink() == 5 and a.capacity == 5 and len(a.refs) == 5  # 5..8 were free; 4 is cached
+    assert list(a.free) == [2] and list(a.cached) == [4] and a.refs[1:] == [1, 0, 1, 0]
+    assert a.allocate(1) == [2] and a.shrink() == 5  # nothing free at the end: unchanged
+    a.drop_hashes()
+    a.decref([1, 2, 3])
+    assert a.shrink() == 1 and a.capacity == 1 and not a.free and a.num_held == 0  # the pad alone
+    a.grow(3)
+    assert a.allocate(2) == [1, 2]
+
+
+def test_pool_shrink_releases_the_arrays_past_the_last_id_in_use_and_keeps_the_rest():
+    rng = np.random.default_rng(5)
+    old_limit = mx.set_cache_limit(0)  # released buffers are freed, not kept: active memory is exact
+    try:
+        pool = KVarNPool(LAYOUT, num_layers=2)
+        rows = [PagedRow(pool, [0, 1]) for _ in range(9)]
+        caches = [KVarNKVCache(LAYOUT) for _ in rows]
+        for row, cache in zip(rows, caches):
+            k, v = kv(rng, 3 * G + 7)
+            for l in (0, 1):
+                row.layers[l].update_and_fetch(k, v)
+            cache.update_and_fetch(k, v)
+        mx.eval([x for layer in pool.layers for x in layer.arrays()])
+        first = rows[0]
+        for row in rows[1:]:
+            row.release()
+        grown, before = pool.nbytes(), mx.get_active_memory()
+        released = pool.shrink()
+        assert released > 0 and released == grown - pool.nbytes()
+        # MLX's allocator counts a few bytes per buffer beyond nbytes: the old buffers are freed
+        assert before - mx.get_active_memory() >= 0.95 * released, (before - mx.get_active_memory(), released)
+        assert pool.records.capacity == 1 + max(first.table) and pool.windows.capacity == first.slot + 1
+        for l in (0, 1):  # every array at its kind's capacity; the kept row reads what it wrote
+            a = pool.layers[l]
+            assert a.records["v_c"].shape[0] == pool.records.capacity and a.win_k.shape[0] == pool.windows.capacity
+            assert_same_row(first.layers[l], caches[0])
+        k, v = kv(rng, G)  # and goes on committing into the shrunk pool, which grows again
+        for l in (0, 1):
+            first.layers[l].update_and_fetch(k, v)
+        caches[0].update_and_fetch(k, v)
+        for l in (0, 1):
+            assert_same_row(first.layers[l], caches[0])
+        first.release()
+        pool.shrink()
+        assert (pool.records.capacity, pool.windows.capacity, pool.sinks.capacity) == (1, 1, 1)
+        window = 4 * H * G * D * pool.window_dtype.size  # the pad ids alone stay
+        assert pool.nbytes() == 2 * (pool.block_bytes() // 2 + window + 2 * H * G * D * 2)
+    finally:
+        mx.set_cache_limit(old_limit)
+
+
 # --- rows ---
 
 @pytest.mark.parametrize("chunks", [(300,), (64, 236), (5, 59, 1, 200, 35), (130, 170)])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import mlx.core as mx
@@ -10,6 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvarn.layout import KVLayout
+from kvarn.pool import block_nbytes
 from tests.server.conftest import CONTEXT_LENGTH, MODEL_ID, Server, chat_body, post_json, wait_idle
 
 STAMP = re.compile(r"[0-9a-f]{16}")
@@ -113,3 +117,59 @@ def test_metrics_count_a_request_exactly(http: httpx.Client) -> None:
     later = _samples(http)
     key = ("kvarn_requests_total", (("endpoint", "completion"), ("finish_reason", "length")))
     assert later[key] - after.get(key, 0.0) == 1
+
+
+def _idle_pool_bytes() -> int:
+    """The bundled model's block pool with its pad ids alone (one record block, one window and
+    one cached sink per layer): what it shrinks to once idle with nothing cached."""
+    layers, heads, dim, tile = 8, 2, 128, 128
+    compute = "float32" if mx.default_device() == mx.cpu else "bfloat16"  # the model's compute dtype
+    layout = KVLayout.kvarn("k4v2", tile_size=tile).with_storage_dtype(compute)
+    window = layout.sequence_bytes(1, dim, heads)  # one token: the row's sink and tail, K and V
+    sink = 2 * heads * tile * dim * 2  # K and V, float16
+    return layers * (block_nbytes(layout, heads, dim) + window + sink)
+
+
+def _wait_for(http: httpx.Client, done, what: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = {name: value for (name, labels), value in _samples(http).items() if not labels}
+        if done(samples):
+            return samples
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen in {timeout} s: {samples}")
+        time.sleep(0.05)
+
+
+def test_metrics_report_kv_storage_and_mlx_memory_and_an_idle_server_gives_a_burst_back(http: httpx.Client) -> None:
+    """``kvarn_kv_allocated_bytes`` (the pool's arrays) grows with a burst of rows and, after a
+    prefix cache reset, comes back to the pool's pad ids once the engine is idle, with MLX's
+    buffer cache empty; MLX's active and peak memory are reported."""
+    floor = _idle_pool_bytes()
+    post_json(http, "/v1/chat/completions", chat_body("hi", max_tokens=2))  # the pool's arrays exist from here
+    wait_idle(http)
+    assert http.post("/v1/cache/reset").status_code == 200
+    idle = _wait_for(http, lambda s: s["kvarn_kv_allocated_bytes"] == floor, "the idle pool")
+    assert idle["kvarn_mlx_cache_memory_bytes"] == 0
+    assert idle["kvarn_mlx_peak_memory_bytes"] >= idle["kvarn_mlx_active_memory_bytes"] > floor
+
+    def ask(i: int) -> None:
+        post_json(http, "/v1/chat/completions", chat_body(f"How do I count lines? ({i})", n=2, max_tokens=64,
+                                                          ignore_eos=True))
+
+    busy = []  # samples taken while rows ran
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, i) for i in range(8)]
+        while not all(f.done() for f in futures):
+            samples = {name: value for (name, labels), value in _samples(http).items() if not labels}
+            if samples["kvarn_kv_cache_bytes"] > 0:
+                busy.append(samples)
+            time.sleep(0.02)
+        for future in futures:
+            future.result()
+    assert busy and max(s["kvarn_kv_allocated_bytes"] for s in busy) > floor
+    assert all(s["kvarn_kv_allocated_bytes"] >= s["kvarn_kv_cache_bytes"] for s in busy)
+    wait_idle(http)
+    assert http.post("/v1/cache/reset").status_code == 200
+    after = _wait_for(http, lambda s: s["kvarn_kv_allocated_bytes"] == floor, "the pool given back")
+    assert after["kvarn_mlx_cache_memory_bytes"] == 0 and after["kvarn_kv_cache_bytes"] == 0
