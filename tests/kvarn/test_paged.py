@@ -1,4 +1,4 @@
-"""Paged KVarN rows (kvarn/pool.py, kvarn/paged.py): the allocator's state asserted exactly, rows in
+"""Paged KVarN rows (kvarn/allocator.py, kvarn/pool.py, kvarn/paged.py): the allocator's state asserted exactly, rows in
 the pool byte-identical to the single-stream ``KVarNKVCache`` whatever the chunking and batching,
 one graph per layer for a whole decode batch equal to each row alone, forks that allocate no
 record bytes, and prefix-cache blocks that round-trip."""
@@ -14,7 +14,8 @@ from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedRow, as_record_arrays, fork_rows
 from kvarn.paged_batch import PagedBatch, paged_attention
-from kvarn.pool import PAD, BlockAllocator, KVarNPool, quantize_blocks
+from kvarn.allocator import BlockAllocator
+from kvarn.pool import PAD, KVarNPool, quantize_blocks
 from kvarn.record import RecordArrays, quantize_tiles
 
 H, D, G = 2, 128, 64
