@@ -22,7 +22,7 @@ from kvarn.batch import BatchRows, batch_attention
 from kvarn.cache import Chunk, KVarNKVCache
 from kvarn.paged import PagedLayer
 from kvarn.paged_batch import PagedBatch, paged_attention, reads_codes_directly
-from kvarn.slots import SlotBatch, attends_per_row, per_row_attention
+from kvarn.slots import SlotBatch, attends_per_row, fused_decode, fused_decode_attention, per_row_attention
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
 
@@ -245,6 +245,8 @@ def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             if sinks is not None:
                 raise ValueError("KVarN attention does not support attention sinks")
             return paged_attention(queries, cache, scale, mask)
+        if isinstance(cache, SlotBatch) and fused_decode(cache, queries, sinks):
+            return fused_decode_attention(queries, cache, scale)
         if isinstance(cache, SlotBatch) and attends_per_row(cache):
             return per_row_attention(queries, keys, values, cache, scale, sinks)
         if isinstance(cache, BatchRows):

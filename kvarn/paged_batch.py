@@ -30,12 +30,12 @@ class StepIndex:
 
     ``write_slots``/``write_pos`` send each row's new token into its window (position p < G: the
     sink part; else G + its tail length); ``commit_rows`` are the rows whose tail fills (windows
-    ``commit_slots``, new blocks ``commit_blocks``); after the write, ``windows`` (the batch's
+    ``commit_slots``, new blocks ``commit_blocks``, the same as an array ``commit_ids``); after the write, ``windows`` (the batch's
     window ids, or a ``(lo, hi)`` range when they are consecutive: read as a slice) of which the
     first ``win_len`` tokens hold every row's valid ones, ``table`` [B, nb] (pad-filled) and
     ``mask`` [B, 1, 1, win_len + nb*G] select each row's valid sink, tail and record tokens; ``offset`` is the rows' RoPE offsets before the write; ``lengths`` the same
     per-row lengths as host ints (the fused kernel's split plan, memoized per head count in
-    ``plans``)."""
+    ``plans``), ``writes`` the (window, position) pairs as host ints."""
 
     offset: mx.array
     write_slots: mx.array
@@ -43,12 +43,23 @@ class StepIndex:
     commit_rows: tuple[int, ...]
     commit_slots: mx.array | None
     commit_blocks: tuple[int, ...]
+    commit_ids: mx.array | None
     windows: mx.array | tuple[int, int]
     win_len: int
     table: mx.array | None
     mask: mx.array
     lengths: RowLengths
+    writes: tuple[tuple[int, int], ...] = ()
     plans: dict = field(default_factory=dict, compare=False)
+
+    def window_rows(self, H: int, G: int) -> mx.array:
+        """[B*H] rows of the windows' flat [Nw*H*2G, D] view that this step's tokens go to (row b,
+        head h: window ``write_slots[b]``, position ``write_pos[b]``), made once per head count."""
+        key = ("rows", H)
+        if key not in self.plans:
+            self.plans[key] = mx.array([(slot * H + h) * 2 * G + pos for slot, pos in self.writes for h in range(H)],
+                                       dtype=mx.int32)
+        return self.plans[key]
 
 
 def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
@@ -94,11 +105,13 @@ def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
         commit_rows=tuple(commits),
         commit_slots=mx.array([slots[b] for b in commits], dtype=i32) if commits else None,
         commit_blocks=blocks,
+        commit_ids=mx.array(blocks, dtype=i32) if blocks else None,
         windows=windows,
         win_len=win_len,
         table=table,
         mask=mx.concatenate(parts, axis=1)[:, None, None, :] if nb else parts[0][:, None, None, :],
         lengths=RowLengths(tuple(slots), tuple(sink_len), tuple(tail_len), tuple(num_tiles)),
+        writes=tuple(zip(slots, write_pos)),
     )
 
 
@@ -166,12 +179,16 @@ def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array
     _, H, _, D = keys.shape
     a = pool.ensure_layer(l, H, D)
     G = view0.layout.tile_size
-    a.win_k[index.write_slots, :, index.write_pos] = _rounded(keys, pool.window_dtype)[:, :, 0]
-    a.win_v[index.write_slots, :, index.write_pos] = _rounded(values, pool.window_dtype)[:, :, 0]
+    rows = index.window_rows(H, G)  # one scatter per buffer over its flat [Nw*H*2G, D] view: 4 nodes, no index ops
+    shape = a.win_k.shape
+    for name, x in (("win_k", keys), ("win_v", values)):
+        flat = getattr(a, name).reshape(-1, D)
+        flat[rows] = _rounded(x, pool.window_dtype).reshape(-1, D)
+        setattr(a, name, flat.reshape(shape))
     if index.commit_rows:
         tiles = quantize_blocks(a.win_k[index.commit_slots][:, :, G:].astype(STORE_DTYPE),
                                 a.win_v[index.commit_slots][:, :, G:].astype(STORE_DTYPE), view0.layout)
-        pool.write_records(l, index.commit_blocks, tiles)
+        pool.write_records(l, index.commit_ids, tiles)
     committing = set(index.commit_rows)
     for b, view in enumerate(layers):
         view.chunk = None  # the row's last prompt chunk (raw keys and values) is no longer needed

@@ -265,9 +265,10 @@ class KVarNPool:
             self.step_memo = None
         return before - self.nbytes()
 
-    def write_records(self, l: int, blocks: Sequence[int], fields: dict[str, mx.array]) -> None:
-        """Blocks ``blocks`` of layer ``l`` := ``fields`` (block-major, one entry per block)."""
-        ids = mx.array(list(blocks), dtype=mx.int32)
+    def write_records(self, l: int, blocks: Sequence[int] | mx.array, fields: dict[str, mx.array]) -> None:
+        """Blocks ``blocks`` of layer ``l`` := ``fields`` (block-major, one entry per block); ``blocks``
+        ids, or an int32 array of them (a decode step makes it once for all its layers)."""
+        ids = blocks if isinstance(blocks, mx.array) else mx.array(list(blocks), dtype=mx.int32)
         records = self.layers[l].records
         for name in RECORD_FIELDS:
             records[name][ids] = fields[name].astype(records[name].dtype)

@@ -8,6 +8,13 @@ reference, with one logged warning.
 ``commit``: the fused tile commit (the whole quantizer, CUDA). ``commit_path(reference=...)``
 decides it the same way, once per layout; the caller passes the pure-MLX quantizer it must match
 (``metal`` imports nothing of ``kvarn``).
+
+``ragged_decode``: the fused ragged decode attention of the fp16 baseline (CUDA): every row of a
+layer over its own slot of the shared ``[N, H, T_cap, D]`` buffers, float16 or bfloat16.
+``ragged_decode_path()`` decides it like ``attention_path()``: once per process, the kernel where
+MLX has a CUDA device and a self-check (kernel vs reference on a small random ragged case, both the
+split and the one-item-a-row plans) passes, else the reference with one logged warning.
+``decided_ragged_decode_path()`` reads the verdict without deciding.
 """
 
 from __future__ import annotations
@@ -160,3 +167,64 @@ def commit_path(*, reference, head_dim: int = 128, tile_size: int = 128, key_bit
 def decided_commit_path() -> str | None:
     """The first verdict ``commit_path()`` reached in this process, else None (never decides)."""
     return next(iter(_COMMIT_VERDICTS.values()), None)
+
+
+# ---- the fp16 baseline's ragged decode ----
+_RAGGED_VERDICT: list[str] = []
+
+
+def ragged_self_check() -> float:
+    """Kernel vs reference on a small random ragged batch (scattered slots, garbage past the rows'
+    lengths, bfloat16 queries over float16 K/V), with rows split (the combine launch) and with one
+    item a row (the FINAL launch): the worse max relative error."""
+    from metal.ragged_decode import make_plan, ragged_decode_attention, reference_ragged_decode_attention
+    ks = mx.random.split(mx.random.key(23), 3)
+    H, NR, D, N, T_cap = 2, 4, 128, 6, 1100
+    lengths, slots = (1, 300, 1000, 77), (4, 0, 2, 5)
+    keys = mx.random.normal((N, H, T_cap, D), key=ks[0]).astype(mx.float16)
+    values = mx.random.normal((N, H, T_cap, D), key=ks[1]).astype(mx.float16)
+    queries = mx.random.normal((len(lengths), H * NR, 1, D), key=ks[2]).astype(mx.bfloat16)
+    kw = dict(queries=queries, keys=keys, values=values, slots=slots, lengths=lengths, scale=D ** -0.5)
+    ref = reference_ragged_decode_attention(**kw).astype(mx.float32)
+    worst = 0.0
+    for plan in (make_plan(slots, lengths, H, single=False), make_plan(slots, lengths, H, single=True)):
+        out = ragged_decode_attention(**kw, plan=plan).astype(mx.float32)
+        worst = max(worst, (mx.max(mx.abs(out - ref)) / mx.max(mx.abs(ref))).item())
+    return worst
+
+
+def _decide_ragged() -> str:
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        log.warning("kvarn: no CUDA backend with the fused ragged decode kernel; the fp16 baseline's batched decode "
+                    "runs the pure-MLX reference path")
+        return "reference"
+    try:
+        err = ragged_self_check()
+    except Exception as exc:  # a compile or launch failure: the reference still works
+        log.warning("kvarn: the fused CUDA ragged decode kernel failed its self-check (%s); running the reference "
+                    "path", exc)
+        return "reference"
+    if not err <= SELF_CHECK_TOLERANCE:
+        log.warning("kvarn: the fused CUDA ragged decode kernel is off its reference by %.3g (max relative); running "
+                    "the reference path", err)
+        return "reference"
+    return "cuda-fused"
+
+
+def ragged_decode_path() -> str:
+    """``"cuda-fused"`` | ``"reference"``: the fp16 baseline's ragged decode attention in force
+    (``metal.ragged_decode``), decided at first call (one warning when it is the reference) and
+    fixed for the process; never raises."""
+    if not _RAGGED_VERDICT:
+        try:
+            verdict = _decide_ragged()
+        except Exception as exc:  # noqa: BLE001 (a verdict must come back whatever happened)
+            log.warning("kvarn: deciding the ragged decode path failed (%s); running the reference path", exc)
+            verdict = "reference"
+        _RAGGED_VERDICT.append(verdict)
+    return _RAGGED_VERDICT[0]
+
+
+def decided_ragged_decode_path() -> str | None:
+    """The verdict if ``ragged_decode_path()`` has run, else None; never decides (other threads may ask)."""
+    return _RAGGED_VERDICT[0] if _RAGGED_VERDICT else None

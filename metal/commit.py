@@ -82,6 +82,18 @@ class Launch:
     output_dtypes: list
 
 
+_BITS: dict[tuple[int, int], mx.array] = {}
+
+
+def _bits(key_bits: int, value_bits: int) -> mx.array:
+    """The kernel's bits input, made once per layout: an array made from host data at every call
+    (32 a step that commits, one a layer) is a host-to-device copy each, in the middle of the step."""
+    key = (key_bits, value_bits)
+    if key not in _BITS:
+        _BITS[key] = mx.array([key_bits, value_bits], dtype=mx.int32)
+    return _BITS[key]
+
+
 def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int,
                   rows: int = DEFAULT_ROWS) -> Launch:
     n, H, G, D = keys.shape
@@ -89,8 +101,7 @@ def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: i
     threads = G * W // (4 * rows)
     shapes = output_shapes(n, H, G, D, key_bits, value_bits)
     dtypes = [mx.uint32 if name.endswith("codes") else mx.float16 for name in RECORD_FIELDS]
-    return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16),
-                          mx.array([key_bits, value_bits], dtype=mx.int32)],
+    return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits)],
                   template=[("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows)],
                   grid=(n * H * (D // W) * threads, 2, 1), threadgroup=(threads, 1, 1),
                   output_shapes=[shapes[name] for name in RECORD_FIELDS], output_dtypes=dtypes)

@@ -34,11 +34,12 @@ NUM_THREADS = 128  # one block: 4 warps
 NUM_SMS = 132  # H200; the split policy aims at a few blocks per multiprocessor
 BLOCKS_PER_SM = 3  # the tensor-core body's resident blocks (58.7 KB of shared memory each at k4v2): one wave of splits
 SCALAR_BLOCKS_PER_SM = 16  # the scalar body's split target (measured on the H200: 4 left the multiprocessors idle)
-# one work item a row (one launch, no combine) when rows x KV heads fill a wave of blocks, or are so few that a
-# second launch's host cost outweighs spreading the rows, or when no row has more tiles than SINGLE_MAX_TILES
-# (the best of both plans at each shape measured on the H200: docs/benchmarks.md section 8)
+# one work item a row (one launch, no combine) when rows x KV heads fill a wave of blocks, or when no row has
+# more tiles than SINGLE_MAX_TILES (the best of both plans at each shape measured on the H200: docs/benchmarks.md
+# section 8). A few long rows are split: the kernel benchmark favoured one item a row for <= 32 row-heads
+# (1 x 32k: 0.054 vs 0.073 ms), but through the engine one 16k row decoded in 11.8 ms a step split against
+# 18.5 ms as one item (8B shape, section 16): 8 blocks streaming 130 tiles each left the GPU waiting
 SINGLE_MIN_BLOCKS = BLOCKS_PER_SM * NUM_SMS
-SINGLE_MAX_BLOCKS = 32
 SINGLE_MAX_TILES = 64
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -132,17 +133,15 @@ def plan_splits(num_tiles: Sequence[int], tail_len: Sequence[int], n_kv_heads: i
                 min_split: int = 1, single: bool | None = None) -> list[tuple[int, int, int]]:
     """Cut each row's tiles (sink, records, tail if non-empty) into work items.
 
-    ``single`` (None: when rows x KV heads >= SINGLE_MIN_BLOCKS or <= SINGLE_MAX_BLOCKS, or no row
-    has more than SINGLE_MAX_TILES tiles): one item a row, so the attention launch writes the output
-    itself.
+    ``single`` (None: when rows x KV heads >= SINGLE_MIN_BLOCKS, or no row has more than
+    SINGLE_MAX_TILES tiles): one item a row, so the attention launch writes the output itself.
     Else splits of about the same size: the batch's tiles over about blocks_per_sm x num_sms blocks,
     so one long row, many short rows and a mix all fill the GPU; a row gets round(its tiles / split
     size) splits, at least one (splits of at least ``min_split`` tiles)."""
     counts = [1 + n + (t > 0) for n, t in zip(num_tiles, tail_len)]
     if single is None:
         blocks = len(counts) * n_kv_heads
-        single = (blocks >= SINGLE_MIN_BLOCKS or blocks <= SINGLE_MAX_BLOCKS
-                  or max(counts, default=0) <= SINGLE_MAX_TILES)
+        single = blocks >= SINGLE_MIN_BLOCKS or max(counts, default=0) <= SINGLE_MAX_TILES
     if single:
         return [(b, 0, c) for b, c in enumerate(counts)]
     target_items = max(1, (blocks_per_sm * num_sms) // max(1, n_kv_heads))

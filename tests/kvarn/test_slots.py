@@ -17,7 +17,7 @@ from kvarn.attention import install_attention_seam
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_cache, make_cache
 from kvarn.batch import make_batch_cache
 from kvarn.layout import KVLayout
-from kvarn.slots import SlotBatch, SlotRow, SlotStore, make_row_cache, make_stores
+from kvarn.slots import SlotBatch, SlotRow, SlotStore, fused_decode, make_row_cache, make_stores
 from tests.kvarn.test_models import build
 
 H, D = 2, 64
@@ -385,7 +385,9 @@ def assert_one_attention_per_layer(recorder: Recorder, batch: list[Any], slot_la
                                    B: int) -> None:
     T = batch[slot_layers[0]].size()
     slot_calls = [call for call in recorder.sdpa if call[0][0] == B]
-    if layout.scheme == "fp16":  # one fused SDPA over [B, H, T, D] per slot layer, one mask
+    if layout.scheme == "fp16" and fused_decode(batch[slot_layers[0]], mx.zeros((B, 2 * H, 1, D)), None):
+        assert slot_calls == []  # the GPU's fused ragged kernel reads the slots itself: no SDPA
+    elif layout.scheme == "fp16":  # one fused SDPA over [B, H, T, D] per slot layer, one mask
         assert len(slot_calls) == len(slot_layers)
         assert all(k[0] == B and k[2] == T and mask == (B, 1, 1, T) for k, mask in slot_calls)
     else:  # mlx-lm's quantized attention: scores and values, two quantized matmuls per layer
@@ -456,3 +458,55 @@ def test_per_row_attention_equals_the_masked_batch():
     got = per_row_attention(q, keys, values, batch, 0.1, None)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
     assert not attends_per_row(batch)  # the CPU (and shallow rows) take the one masked call
+
+
+def _batch_after_a_write(rng: np.random.Generator, dtype: mx.Dtype = mx.float32):
+    """Three rows of 5, 300 and 130 tokens in a store whose slots are not in row order, after one
+    decode write: (batch, queries, the masked call's keys, values and mask)."""
+    store = SlotStore()
+    rows = [store.new_row(400) for _ in range(4)]
+    rows[0].release()  # slot 0 free: the batch sits at slots 1..3
+    rows = rows[1:]
+    for row, n in zip(rows, (5, 300, 130)):
+        row.update_and_fetch(*(x.astype(dtype) for x in kv(rng, n)))
+    batch = SlotBatch(rows)
+    mask = batch.make_mask(1)
+    keys, values = batch.update_and_fetch(*(x.astype(dtype) for x in kv(rng, 1, rows=3)))
+    q = mx.array(rng.standard_normal((3, 2 * H, 1, D)).astype(np.float32)).astype(dtype)
+    return batch, q, keys, values, mask
+
+
+def test_fused_decode_reads_each_row_over_its_own_slot(monkeypatch):
+    """The GPU's fused ragged decode (metal.ragged_decode) is handed the store's whole buffers and
+    each row's slot and length after the write: run here through the kernel's pure-MLX twin, it
+    gives what the masked call over the batch's slice does. The CPU itself takes the masked call."""
+    import kvarn.slots as slots
+    from metal.ragged_decode import reference_ragged_decode_attention
+
+    batch, q, keys, values, mask = _batch_after_a_write(np.random.default_rng(12))
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)
+    seen = []
+
+    def twin(**kw):
+        seen.append((kw["slots"], kw["lengths"], kw["plan"].items))
+        assert kw["keys"] is batch.store._buffers[0] and kw["values"] is batch.store._buffers[1]
+        return reference_ragged_decode_attention(**kw)
+
+    monkeypatch.setattr(slots, "ragged_decode_attention", twin)
+    got = slots.fused_decode_attention(q, batch, 0.1)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
+    assert seen[0][:2] == ((1, 2, 3), (6, 301, 131))
+    assert not slots.fused_decode(batch, q, None)  # no CUDA here: the masked call runs
+
+
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="no CUDA GPU: the fused kernel runs only there")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
+def test_fused_decode_on_the_gpu_matches_the_masked_batch(dtype):
+    import kvarn.slots as slots
+
+    batch, q, keys, values, mask = _batch_after_a_write(np.random.default_rng(13), dtype)
+    assert slots.fused_decode(batch, q, None)
+    want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
+                                                values.astype(mx.float32), scale=0.1, mask=mask)
+    got = slots.fused_decode_attention(q, batch, 0.1).astype(mx.float32)
+    assert float(mx.abs(got - want).max() / mx.abs(want).max()) < 1e-2

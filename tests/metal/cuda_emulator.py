@@ -13,7 +13,7 @@ is ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` as PTX's ISA lays out i
 its four D elements in float32, a barrier); ``cp.async`` is a plain 16-byte copy (its waits are
 no-ops: the copies are done when issued); ``__byte_perm`` selects bytes as PRMT does (the
 selector's sign-replicate bit is not modelled: the kernels do not set it); half2 arithmetic
-rounds once to _Float16."""
+rounds once to _Float16. ``__ldg`` is a plain load, ``__uint_as_float`` a bit copy."""
 
 from __future__ import annotations
 
@@ -97,6 +97,10 @@ inline uint32_t kv_hmul2(uint32_t a, uint32_t b) {
   return emu_hbits(emu_h(a, 0) * emu_h(b, 0)) | (emu_hbits(emu_h(a, 1) * emu_h(b, 1)) << 16);
 }
 inline void kv_cp16(void* dst, const void* src) { std::memcpy(dst, src, 16); }
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline void kv_cp_commit() {}
 template <int N> inline void kv_cp_wait() {}
 inline uint32_t emu_a[32][32][4], emu_b[32][32][2];
@@ -224,6 +228,32 @@ def emulated_paged_decode_attention(variant=None, **kw) -> np.ndarray:
         assert not np.isnan(part_o).any() and not np.isnan(part_ml).any(), "the attention kernel left outputs unwritten"
         call = pd.combine_launch(mx.array(part_o), mx.array(part_ml), plan, q)
         (out,) = run_launch(call)
+    if q.dtype == mx.bfloat16:
+        out = np.array(mx.array(out).view(mx.bfloat16).astype(mx.float32))
+    return out.astype(np.float64).reshape(q.shape)
+
+
+def _assert_written(out: np.ndarray, dtype, what: str) -> None:
+    import mlx.core as mx
+    assert not ((out == 0xFFFF).any() if dtype == mx.bfloat16 else np.isnan(out).any()), f"{what} left unwritten"
+
+
+def emulated_ragged_decode_attention(**kw) -> np.ndarray:
+    """``metal.ragged_decode.ragged_decode_attention`` with both kernels run by the emulator
+    (asserting every output element of each launch was written)."""
+    import mlx.core as mx
+    from metal import ragged_decode as rd
+    q, keys = kw["queries"], kw["keys"]
+    rd.check_arguments(q, keys, kw["values"], kw["slots"], kw["lengths"], kw.get("plan"))
+    plan = kw.get("plan") or rd.make_plan(kw["slots"], kw["lengths"], keys.shape[1])
+    call = rd.attention_launch(q, keys, kw["values"], plan, kw["scale"])
+    part_o, part_ml = run_launch(call)
+    _assert_written(part_o, call.output_dtypes[0], "the attention kernel")
+    _assert_written(part_ml, mx.float32, "the attention kernel")
+    out = part_o
+    if not call.final:
+        (out,) = run_launch(rd.combine_launch(mx.array(part_o), mx.array(part_ml), plan, q))
+        _assert_written(out, q.dtype, "the combine kernel")
     if q.dtype == mx.bfloat16:
         out = np.array(mx.array(out).view(mx.bfloat16).astype(mx.float32))
     return out.astype(np.float64).reshape(q.shape)

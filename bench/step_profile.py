@@ -1,0 +1,229 @@
+"""Where one engine decode step's time goes (the lent H200, 8B shape): graph build, dispatch, the
+rest; and per phase of the KV work, in the step where every row commits a tile against an
+ordinary step.
+
+    PYTHONPATH=. python3 bench/step_profile.py --out $OUT/step-profile.json [--arm kvarn-k4v2]
+
+The model is ``bench/device_engine.py``'s (random-weight mlx-lm Llama, 8B shape; ``--layers`` and
+friends shrink it: ``--layers 2 --hidden 512 --intermediate 1024 --depth 256 --rows 2`` on a CPU).
+``--rows`` prompts of P tokens (P + k a multiple of the tile at decode step k) are prefilled
+together, then for each level (``--rows``, then 1) the rows decode across tile boundaries three
+times, in three modes:
+
+* ``plain``: each step's wall time split into Python graph build (the model forward),
+  ``mx.async_eval`` (MLX walks the graph and launches its kernels: on CUDA the host's launch
+  work happens here) and the rest (sampling, the final eval, reading tokens back);
+* ``synced``: the same steps with an ``mx.eval`` after each layer's KV work, timing the phases
+  alone (each timing = its own launches + GPU time + one sync): the window writes, the commit's
+  tile gather, the quantizer, the record writes, and the attention. A sync per phase costs
+  ~20-50 us itself, so the total is larger than the plain step; what matters is which phase grows
+  in the commit step;
+* ``profiled``: cProfile of the commit step and of the ordinary step before it (top functions
+  by own time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kvarn.paged_batch as paged_batch  # noqa: E402
+import kvarn.pool as pool_mod  # noqa: E402
+from bench.device_engine import TILE, Recorder, arm_config, build_model, environment, log  # noqa: E402
+from engine.bench import _prompt  # noqa: E402
+from engine.engine import make_engine  # noqa: E402
+from engine.kv_config import ApcConfig  # noqa: E402
+from engine.request import Request, RequestId, SamplingParams  # noqa: E402
+from engine.scheduler import SchedulerConfig  # noqa: E402
+
+
+class Phases:
+    """Per-phase seconds of the current step (``synced`` mode): wraps the KV functions so each one
+    is evaluated (and timed) on its own."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.t: dict[str, float] = {}
+        self._orig: list[tuple[Any, str, Any]] = []
+
+    def add(self, name: str, seconds: float) -> None:
+        self.t[name] = self.t.get(name, 0.0) + seconds
+
+    def install(self) -> None:
+        phases = self
+
+        def timed(name, fn, outputs):
+            def wrapper(*args, **kwargs):
+                if not phases.on:
+                    return fn(*args, **kwargs)
+                t = time.perf_counter()
+                out = fn(*args, **kwargs)
+                mx.eval(outputs(out, args))
+                phases.add(name, time.perf_counter() - t)
+                return out
+            return wrapper
+
+        def layer_arrays(args):
+            view0 = args[0][0]
+            return view0.row.pool.layers[view0.l].arrays()
+
+        def patch(obj, attr, wrapper):
+            self._orig.append((obj, attr, getattr(obj, attr)))
+            setattr(obj, attr, wrapper)
+
+        patch(pool_mod.KVarNPool, "write_records",
+              timed("write_records", pool_mod.KVarNPool.write_records,
+                    lambda out, args: list(args[0].layers[args[1]].records.values())))
+        patch(paged_batch, "quantize_blocks",
+              timed("quantize", paged_batch.quantize_blocks, lambda out, args: list(out.values())))
+        patch(paged_batch, "decode_update",
+              timed("update_total", paged_batch.decode_update, lambda out, args: layer_arrays(args)))
+        patch(paged_batch, "decode_attention",
+              timed("attention", paged_batch.decode_attention, lambda out, args: [out]))
+
+    def uninstall(self) -> None:
+        for obj, attr, fn in reversed(self._orig):
+            setattr(obj, attr, fn)
+        self._orig.clear()
+
+
+def run(args) -> dict:
+    recorder = Recorder()
+    loaded, weights = build_model(args, recorder)
+    kv = arm_config(args.arm)
+    C = args.rows
+    k_first = 6  # decode step at which the cache length reaches a tile multiple
+    P = args.depth + (-(args.depth + k_first)) % TILE
+    cfg = SchedulerConfig(max_num_seqs=C, max_num_batched_tokens=C * args.chunk + C, prefill_chunk_size=args.chunk,
+                          kv_budget_bytes=int(args.kv_budget_gb * 1e9))
+    engine = make_engine(loaded, cfg, kv, ApcConfig(enabled=False))
+    rng = random.Random(7)
+    reqs = [Request(RequestId(f"p{i}"), _prompt(rng, P, loaded.vocab_size),
+                    SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)) for i in range(C)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.add_request(r)
+    while not all(r.output_ids for r in reqs):
+        engine.step()
+    log(f"{C} prompts of {P} prefilled in {time.perf_counter() - t0:.2f} s")
+
+    # split a step: the model forward (Recorder), mx.async_eval, the rest
+    dispatch = {"s": 0.0}
+    orig_async = mx.async_eval
+
+    def async_eval(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return orig_async(*a, **kw)
+        finally:
+            dispatch["s"] += time.perf_counter() - t
+
+    mx.async_eval = async_eval
+    phases = Phases()
+    phases.install()
+    report: dict[str, Any] = {"arm": args.arm, "depth": args.depth, "prompt_tokens": P, "rows": C,
+                              "weights_bytes": weights, "levels": []}
+    alive = list(reqs)
+    try:
+        for level in sorted({C, 1}, reverse=True):
+            for r in alive[level:]:
+                engine.abort_request(r.request_id)
+            alive = alive[:level]
+            engine.step()  # the aborts settle
+            entry: dict[str, Any] = {"level": level, "modes": {}}
+            for mode in ("plain", "synced", "profiled"):
+                # run to 3 steps before the next commit, then time 6 steps (the 3rd commits)
+                while (-(len(alive[0].prompt_ids) + len(alive[0].output_ids))) % TILE != 2:
+                    engine.step()
+                steps = []
+                for i in range(6):
+                    cache_len = len(alive[0].prompt_ids) + len(alive[0].output_ids) - 1  # tokens cached before it
+                    tile = (cache_len + 1) % TILE == 0  # this step's token fills the tail: every row commits
+                    recorder.reset()
+                    dispatch["s"] = 0.0
+                    phases.t = {}
+                    phases.on = mode == "synced"
+                    prof = cProfile.Profile() if mode == "profiled" and i in (1, 2) else None
+                    ts = time.perf_counter()
+                    if prof is not None:
+                        prof.enable()
+                    engine.step()
+                    if prof is not None:
+                        prof.disable()
+                    wall = time.perf_counter() - ts
+                    phases.on = False
+                    row = {"cache_len": cache_len, "tile_step": tile, "wall_s": wall, "build_s": recorder.build_s,
+                           "async_eval_s": dispatch["s"], "rest_s": wall - recorder.build_s - dispatch["s"]}
+                    if mode == "synced":
+                        row["phases_s"] = dict(phases.t)
+                    if prof is not None:
+                        s = io.StringIO()
+                        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
+                        row["profile"] = s.getvalue()
+                    steps.append(row)
+                    log(f"c={level} {mode} len {cache_len}{' TILE' if tile else ''}: {wall * 1e3:.1f} ms "
+                        f"(build {recorder.build_s * 1e3:.1f}, async_eval {dispatch['s'] * 1e3:.1f})"
+                        + (f" phases { {k: round(v * 1e3, 2) for k, v in phases.t.items()} }" if mode == "synced" else ""))
+                entry["modes"][mode] = steps
+            ordinary = [s["wall_s"] for s in entry["modes"]["plain"] if not s["tile_step"]]
+            tile = [s["wall_s"] for s in entry["modes"]["plain"] if s["tile_step"]]
+            entry["median_ordinary_s"] = statistics.median(ordinary)
+            entry["tile_s"] = tile[0] if tile else None
+            report["levels"].append(entry)
+    finally:
+        mx.async_eval = orig_async
+        phases.uninstall()
+    for r in alive:
+        engine.abort_request(r.request_id)
+    return report
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--arm", default="kvarn-k4v2")
+    p.add_argument("--depth", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--kv-budget-gb", type=float, default=100.0)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
+                   help="override an integer module constant first (e.g. metal.paged_decode.SINGLE_MAX_TILES=64)")
+    args = p.parse_args()
+    import importlib
+    for item in args.set:
+        target, value = item.split("=")
+        module, name = target.rsplit(".", 1)
+        setattr(importlib.import_module(module), name, int(value))
+    env = environment()
+    report = {"env": env, "args": vars(args), "runs": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for arm in args.arm.split(","):
+        args_arm = argparse.Namespace(**{**vars(args), "arm": arm})
+        report["runs"].append(run(args_arm))
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        mx.clear_cache()
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Fused ragged decode attention over the fp16 baseline's slot buffers (CUDA, ``mx.fast.cuda_kernel``).
+
+One launch attends every decoding row of one layer (plus a tiny combine launch when rows are
+split): split-K flash decoding over each row's tokens, K and V read in place from the shared
+``[N, H, T_cap, D]`` buffers of ``kvarn.slots.SlotStore`` (row b: tokens [0, lengths[b]) of slot
+slots[b]), online softmax in float32, the n_q/H query heads of a KV head folded into one block so
+each K/V row is read once per KV head. No tensor cores: it is bandwidth bound, so the body is about
+bytes in flight (16-byte loads, 8 K and 8 V rows a lane issued before the math). Design notes and
+what was verified where: docs/kernels.md.
+
+A row's tokens and how the work list cuts them into splits::
+
+    slot slots[b], KV head h:  keys[slots[b], h, 0 : lengths[b], :]   (the rest of T_cap is never read)
+    work item = (row b, first token, end token); one block per (work item, KV head)
+    every row one item (FINAL): the attention launch writes [B, n_q, D] itself, no combine
+    else: partials o [items, H, NR, D] f32 and (m, l) [items, H, NR, 2] f32, then the combine launch
+
+The buffers must be the store's whole, row-contiguous arrays (``mx.fast.cuda_kernel`` copies a
+non-contiguous view first: pass ``buf``, not ``buf[lo:hi, :, :T]``); T_cap is read from their
+shape and passed as a kernel input, so a store that grows does not recompile anything. Templates:
+the queries' and the K/V dtypes, D and n_rep (and FINAL) only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from metal.paged_decode import Launch, minify
+from metal.ragged_decode_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
+
+NUM_THREADS = 128  # one block: 4 warps
+NUM_SMS = 132  # H200
+# The split policy (not measured on a GPU yet; bench/kernel_ragged_decode.py compares it with one item a row and
+# with always splitting). A wave is NUM_SMS x RESIDENT_BLOCKS blocks; when the batch's tokens x KV heads would
+# give fewer than TARGET_WAVES waves of blocks at one item a row, the rows are cut into splits of about
+# (all tokens x KV heads) / (TARGET_WAVES waves) tokens, so a long row does not leave the GPU idle behind it;
+# never into splits shorter than MIN_SPLIT tokens (rows under 2 x MIN_SPLIT tokens stay one item: a split's
+# fixed cost, its query load, merge and partial write, would outweigh its ~MIN_SPLIT x 512 bytes of K/V a head).
+# One item a row, whatever the rest says, for at most SINGLE_MAX_ROW_HEADS rows x KV heads of at most
+# SINGLE_MAX_TOKENS tokens: measured on the H200 (bench/kernel_ragged_decode.py, docs/benchmarks.md section 16),
+# one item a row beat the split plan at 1 x 4k (0.030 vs 0.042 ms), 1 x 16k (0.078 vs 0.102) and 16 x 4k
+# (0.110 vs 0.124), and lost at 16 x 32k (1.08 vs 0.67) and at 32 rows and more.
+SINGLE_MAX_ROW_HEADS = 128
+SINGLE_MAX_TOKENS = 16384
+RESIDENT_BLOCKS = 3  # blocks resident per SM (an estimate from the register count: bench --compile)
+TARGET_WAVES = 2
+MIN_SPLIT = 256
+SPLIT_ALIGN = 64  # split edges at multiples of this many tokens (one pass of the 4 warps at D = 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16)
+MAX_REP = 8  # query heads per KV head folded into one block
+
+ATTENTION_INPUTS = ["queries", "keys", "values", "rows", "work", "meta", "meta_f"]
+ATTENTION_OUTPUTS = ["part_o", "part_ml"]
+COMBINE_INPUTS = ["part_o", "part_ml", "row_work"]
+COMBINE_OUTPUTS = ["out"]
+
+_ATTENTION_TEXT = (minify(HEADER), minify(ATTENTION_SOURCE))
+_COMBINE_TEXT = (minify(HEADER), minify(COMBINE_SOURCE))
+_KERNELS: dict[str, object] = {}
+
+
+def _kernel(name: str, header: str, source: str, input_names: list[str], output_names: list[str]):
+    if name not in _KERNELS:
+        _KERNELS[name] = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
+                                             source=source, header=header)
+    return _KERNELS[name]
+
+
+_META: dict[tuple[int, float], tuple[mx.array, mx.array]] = {}
+
+
+def _meta(t_cap: int, scale: float) -> tuple[mx.array, mx.array]:
+    """The kernel's two scalar inputs (T_cap, the softmax scale), made once per value."""
+    key = (t_cap, float(scale))
+    if key not in _META:
+        if len(_META) > 256:
+            _META.clear()
+        _META[key] = (mx.array([t_cap], dtype=mx.int32), mx.array([scale], dtype=mx.float32))
+    return _META[key]
+
+
+@dataclass(frozen=True)
+class RaggedPlan:
+    """One step's split of every row's tokens into work items (host lists and their device arrays);
+    built once a step (``make_plan``) and shared by every layer of it.
+
+    ``work`` [num_items, 3]: (row, first token, end token); ``row_work`` [B + 1]: row b's items are
+    ``row_work[b]:row_work[b+1]``; ``rows`` [B]: row b's slot; ``items``: ``work`` as host tuples;
+    ``slots`` / ``lengths``: what it was made for (the wrapper checks a given plan against them)."""
+
+    work: mx.array
+    row_work: mx.array
+    rows: mx.array
+    num_items: int
+    items: tuple[tuple[int, int, int], ...]
+    slots: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @property
+    def final(self) -> bool:
+        """Every row is one work item: the attention launch writes the output itself."""
+        return self.num_items == len(self.lengths)
+
+
+def plan_splits(lengths: Sequence[int], n_kv_heads: int, num_sms: int = NUM_SMS,
+                resident_blocks: int = RESIDENT_BLOCKS, waves: int = TARGET_WAVES, min_split: int = MIN_SPLIT,
+                align: int = SPLIT_ALIGN, single: bool | None = None) -> list[tuple[int, int, int]]:
+    """Cut each row's tokens [0, length) into work items (row, first, end), in row order.
+
+    ``single`` True: one item a row; False: the finest split (``per = min_split``, whatever the
+    batch); None: the policy (one item a row for at most SINGLE_MAX_ROW_HEADS row-heads of at most
+    SINGLE_MAX_TOKENS tokens, else splits). Split size: ``per = max(min_split, ceil(sum(lengths)
+    x n_kv_heads / (waves x num_sms x resident_blocks)))`` tokens; row b gets ``max(1, min(ceil(len /
+    per), len // min_split))`` items of about the same size, inner edges rounded to multiples of
+    ``align`` (so every item has >= min_split - align tokens unless the row is shorter)."""
+    lengths = [int(n) for n in lengths]
+    if single is None and len(lengths) * n_kv_heads <= SINGLE_MAX_ROW_HEADS and max(lengths) <= SINGLE_MAX_TOKENS:
+        single = True
+    if single:
+        return [(b, 0, n) for b, n in enumerate(lengths)]
+    target = max(1, waves * num_sms * resident_blocks)
+    per = max(1, min_split, math.ceil(sum(lengths) * n_kv_heads / target))
+    if single is False:
+        per = max(1, min_split)
+    work = []
+    for b, n in enumerate(lengths):
+        k = max(1, min(-(-n // per), n // max(1, min_split)))
+        edges = [0] + [min(n, round(n * i / k / align) * align) for i in range(1, k)] + [n]
+        edges = sorted(set(edges))  # (no duplicates where align <= min_split; kept for any align)
+        work.extend((b, lo, hi) for lo, hi in zip(edges, edges[1:]))
+    return work
+
+
+def make_plan(slots: Sequence[int], lengths: Sequence[int], n_kv_heads: int, **policy) -> RaggedPlan:
+    """The step's plan (``plan_splits``'s keywords pass through)."""
+    slots, lengths = tuple(int(s) for s in slots), tuple(int(n) for n in lengths)
+    if len(slots) != len(lengths) or not lengths:
+        raise ValueError(f"{len(slots)} slots for {len(lengths)} lengths")
+    if min(lengths) < 1 or min(slots) < 0:
+        raise ValueError(f"lengths must be >= 1 and slots >= 0 (lengths {lengths}, slots {slots})")
+    work = plan_splits(lengths, n_kv_heads, **policy)
+    row_work = [0] * (len(slots) + 1)
+    for b, _, _ in work:
+        row_work[b + 1] += 1
+    for b in range(len(slots)):
+        row_work[b + 1] += row_work[b]
+    i32 = mx.int32
+    return RaggedPlan(work=mx.array(work, dtype=i32).reshape(-1, 3), row_work=mx.array(row_work, dtype=i32),
+                      rows=mx.array(slots, dtype=i32), num_items=len(work), items=tuple(work), slots=slots,
+                      lengths=lengths)
+
+
+def is_supported(*, head_dim: int, n_rep: int, dtype: mx.Dtype = mx.float16, kv_dtype: mx.Dtype | None = None) -> bool:
+    """Whether the kernel has a template for this shape (queries' ``dtype``, K/V ``kv_dtype``, default
+    the same); else callers use the reference."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    return (head_dim in SUPPORTED_HEAD_DIMS and 1 <= n_rep <= MAX_REP and dtype in SUPPORTED_DTYPES
+            and kv_dtype in SUPPORTED_DTYPES)
+
+
+@functools.lru_cache(maxsize=64)
+def _template(q_dtype: mx.Dtype, kv_dtype: mx.Dtype, D: int, NR: int, final: bool) -> tuple:
+    return (("QT", q_dtype), ("KT", kv_dtype), ("D", D), ("NR", NR), ("FINAL", int(final)))
+
+
+def attention_launch(queries: mx.array, keys: mx.array, values: mx.array, plan: RaggedPlan, scale: float) -> Launch:
+    """The attention launch: writes the output itself when every row is one work item (FINAL),
+    else per-split partials for ``combine_launch``."""
+    B, n_q, _, D = queries.shape
+    H, T_cap = keys.shape[1], keys.shape[2]
+    NR = n_q // H
+    final = plan.final
+    outputs = ([(B, n_q, D), (1,)], [queries.dtype, mx.float32]) if final else \
+        ([(plan.num_items, H, NR, D), (plan.num_items, H, NR, 2)], [mx.float32, mx.float32])
+    t_cap_arr, scale_arr = _meta(T_cap, scale)
+    return Launch(
+        name="kvarn_ragged_decode", final=final, header=_ATTENTION_TEXT[0], source=_ATTENTION_TEXT[1],
+        input_names=ATTENTION_INPUTS, output_names=ATTENTION_OUTPUTS, shared_memory=0,
+        inputs=[queries.reshape(B, n_q, D), keys, values, plan.rows, plan.work, t_cap_arr, scale_arr],
+        template=list(_template(queries.dtype, keys.dtype, D, NR, final)),
+        grid=(plan.num_items * NUM_THREADS, H, 1), threadgroup=(NUM_THREADS, 1, 1),
+        output_shapes=outputs[0], output_dtypes=outputs[1])
+
+
+def combine_launch(part_o: mx.array, part_ml: mx.array, plan: RaggedPlan, queries: mx.array) -> Launch:
+    B, n_q, _, D = queries.shape
+    NR = part_o.shape[2]
+    return Launch(name="kvarn_ragged_combine", final=True, header=_COMBINE_TEXT[0], source=_COMBINE_TEXT[1],
+                  input_names=COMBINE_INPUTS, output_names=COMBINE_OUTPUTS, shared_memory=0,
+                  inputs=[part_o, part_ml, plan.row_work],
+                  template=[("QT", queries.dtype), ("D", D), ("NR", NR)], grid=(D, n_q, B), threadgroup=(D, 1, 1),
+                  output_shapes=[(B, n_q, D)], output_dtypes=[queries.dtype])
+
+
+def _run(call: Launch) -> list[mx.array]:
+    kernel = _kernel(call.name, call.header, call.source, call.input_names, call.output_names)
+    return kernel(inputs=call.inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
+                  output_shapes=call.output_shapes, output_dtypes=call.output_dtypes)
+
+
+def check_arguments(queries: mx.array, keys: mx.array, values: mx.array, slots: Sequence[int],
+                    lengths: Sequence[int], plan: RaggedPlan | None) -> None:
+    """Raise ValueError unless the kernel takes these (shapes, dtypes, the plan's rows)."""
+    if queries.ndim != 4 or queries.shape[2] != 1 or keys.ndim != 4:
+        raise ValueError(f"queries {queries.shape} must be [B, n_q, 1, D] and keys {keys.shape} [N, H, T_cap, D]")
+    B, n_q, _, D = queries.shape
+    N, H, T_cap, Dk = keys.shape
+    if values.shape != keys.shape or values.dtype != keys.dtype or Dk != D or n_q % H:
+        raise ValueError(f"queries {queries.shape}, keys {keys.shape} {keys.dtype}, values {values.shape} "
+                         f"{values.dtype} do not fit")
+    if not is_supported(head_dim=D, n_rep=n_q // H, dtype=queries.dtype, kv_dtype=keys.dtype):
+        raise ValueError(f"no ragged decode kernel for head_dim {D}, n_rep {n_q // H}, queries {queries.dtype}, "
+                         f"K/V {keys.dtype}")
+    if len(slots) != B or len(lengths) != B:
+        raise ValueError(f"{B} rows but {len(slots)} slots and {len(lengths)} lengths")
+    if max(lengths) > T_cap or min(lengths) < 1 or max(slots) >= N or min(slots) < 0:
+        raise ValueError(f"lengths {tuple(lengths)} must be in [1, {T_cap}] and slots {tuple(slots)} in [0, {N})")
+    if plan is not None and (plan.slots != tuple(slots) or plan.lengths != tuple(lengths)):
+        raise ValueError("the plan was made for other slots or lengths")
+
+
+def ragged_decode_attention(*, queries: mx.array, keys: mx.array, values: mx.array, slots: Sequence[int],
+                            lengths: Sequence[int], scale: float, plan: RaggedPlan | None = None) -> mx.array:
+    """Decode attention of every row (queries [B, n_q, 1, D], float16 or bfloat16) over tokens
+    [0, lengths[b]) of slot slots[b] of ``keys``/``values`` [N, H, T_cap, D] (float16 or bfloat16,
+    one dtype for both); query head qh reads KV head qh // (n_q / H). Returns [B, n_q, 1, D] in the
+    queries' dtype. ``slots``, ``lengths``: host ints; ``plan``: the step's split plan
+    (``make_plan(slots, lengths, H)``, shared by the layers of a step; built here when not given).
+    Raises ValueError where ``is_supported`` says no or the arguments do not fit."""
+    check_arguments(queries, keys, values, slots, lengths, plan)
+    B, n_q, _, D = queries.shape
+    if plan is None:
+        plan = make_plan(slots, lengths, keys.shape[1])
+    call = attention_launch(queries, keys, values, plan, scale)
+    part_o, part_ml = _run(call)
+    if call.final:
+        return part_o.reshape(B, n_q, 1, D)
+    (out,) = _run(combine_launch(part_o, part_ml, plan, queries))
+    return out.reshape(B, n_q, 1, D)
+
+
+def reference_ragged_decode_attention(*, queries: mx.array, keys: mx.array, values: mx.array, slots: Sequence[int],
+                                      lengths: Sequence[int], scale: float, plan: RaggedPlan | None = None) -> mx.array:
+    """The pure-MLX twin of ``ragged_decode_attention`` (``plan`` is ignored): the rows' slots
+    gathered (tokens [0, max length)), one SDPA in float32 under the rows' validity mask [B, 1, 1, T],
+    cast to the queries' dtype."""
+    T = max(lengths)
+    idx = mx.array(list(slots), dtype=mx.int32)
+    k = mx.take(keys[:, :, :T], idx, axis=0).astype(mx.float32)
+    v = mx.take(values[:, :, :T], idx, axis=0).astype(mx.float32)
+    mask = mx.arange(T, dtype=mx.int32)[None] < mx.array(list(lengths), dtype=mx.int32)[:, None]
+    out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale,
+                                               mask=mask[:, None, None, :])
+    return out.astype(queries.dtype)
