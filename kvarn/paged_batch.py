@@ -29,13 +29,15 @@ class StepIndex:
     """What every layer of one decode step shares: write targets, commits and attention indices.
 
     ``write_slots``/``write_pos`` send each row's new token into its window (position p < G: the
-    sink part; else G + its tail length); ``commit_rows`` are the rows whose tail fills (windows
-    ``commit_slots``, new blocks ``commit_blocks``, the same as an array ``commit_ids``); after the write, ``windows`` (the batch's
-    window ids, or a ``(lo, hi)`` range when they are consecutive: read as a slice) of which the
-    first ``win_len`` tokens hold every row's valid ones, ``table`` [B, nb] (pad-filled) and
-    ``mask`` [B, 1, 1, win_len + nb*G] select each row's valid sink, tail and record tokens; ``offset`` is the rows' RoPE offsets before the write; ``lengths`` the same
-    per-row lengths as host ints (the fused kernel's split plan, memoized per head count in
-    ``plans``), ``writes`` the (window, position) pairs as host ints."""
+    sink part; else G + its tail length), ``writes`` the same (window, position) pairs as host
+    ints; ``commit_rows`` are the rows whose tail fills (windows ``commit_slots``, new blocks
+    ``commit_blocks``, the same as an array ``commit_ids``); after the write, ``windows`` (the
+    batch's window ids, or a ``(lo, hi)`` range when they are consecutive: read as a slice) of
+    which the first ``win_len`` tokens hold every row's valid ones, ``table`` [B, nb] (pad-filled)
+    and ``mask`` [B, 1, 1, win_len + nb*G] select each row's valid sink, tail and record tokens;
+    ``offset`` is the rows' RoPE offsets before the write; ``lengths`` the same per-row lengths as
+    host ints (the fused kernel's split plan, memoized per head count in ``plans``, as are the
+    windows' flat write rows: ``window_rows``)."""
 
     offset: mx.array
     write_slots: mx.array

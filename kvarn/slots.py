@@ -505,8 +505,8 @@ def fused_decode_attention(queries: mx.array, cache: SlotBatch, scale: float) ->
                                    scale=scale, plan=_PLAN[1])
 
 
-# On a GPU without the fused ragged kernel, MLX's fused decode attention has no kernel for an array mask: a masked batch falls back to
-# matmul + softmax. Past this mean row length, one unmasked fused call per row over exactly its own
+# On a GPU without the fused ragged kernel, MLX's fused decode attention has no kernel for an array
+# mask: a masked batch falls back to matmul + softmax. Past this mean row length, one unmasked fused call per row over exactly its own
 # tokens is faster (H200, 8B shape, 32 rows: one layer 2.29 vs 4.59 ms at 16k; a whole step 137 vs
 # 205 ms at 16k, but 76 vs 60 ms at 4k, where the per-row calls' host time outweighs the gain).
 PER_ROW_MIN_TOKENS = 8192

@@ -86,8 +86,8 @@ _BITS: dict[tuple[int, int], mx.array] = {}
 
 
 def _bits(key_bits: int, value_bits: int) -> mx.array:
-    """The kernel's bits input, made once per layout: an array made from host data at every call
-    (32 a step that commits, one a layer) is a host-to-device copy each, in the middle of the step."""
+    """The kernel's bits input, made once per layout (not one array from host data per layer of
+    every step that commits)."""
     key = (key_bits, value_bits)
     if key not in _BITS:
         _BITS[key] = mx.array([key_bits, value_bits], dtype=mx.int32)

@@ -499,7 +499,10 @@ def test_fused_decode_reads_each_row_over_its_own_slot(monkeypatch):
     assert not slots.fused_decode(batch, q, None)  # no CUDA here: the masked call runs
 
 
-@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="no CUDA GPU: the fused kernel runs only there")
+HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: the fused kernel runs only there")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_fused_decode_on_the_gpu_matches_the_masked_batch(dtype):
     import kvarn.slots as slots

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import metal
-from metal.ragged_decode import MIN_SPLIT, NUM_SMS, RESIDENT_BLOCKS, SINGLE_MAX_ROW_HEADS, SPLIT_ALIGN, TARGET_WAVES, check_arguments, \
-    is_supported, make_plan, plan_splits, ragged_decode_attention, reference_ragged_decode_attention
+from metal.ragged_decode import MIN_SPLIT, NUM_SMS, RESIDENT_BLOCKS, SINGLE_MAX_ROW_HEADS, SPLIT_ALIGN, TARGET_WAVES, \
+    check_arguments, is_supported, make_plan, plan_splits, ragged_decode_attention, reference_ragged_decode_attention
 from tests.metal import cuda_emulator
 
 HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
@@ -142,7 +142,7 @@ def test_plan_policy():
     for B, T in [(32, 4096), (32, 16384), (16, 32768), (64, 8192)]:
         work = plan_splits([T] * B, 8)
         assert TARGET_WAVES * wave * 0.95 <= _blocks(work) <= 2 * TARGET_WAVES * wave, (B, T, len(work))
-    work = plan_splits([70 * MIN_SPLIT], 8)  # one row past SINGLE_MAX_TOKENS; MIN_SPLIT binds: as many splits as it allows
+    work = plan_splits([70 * MIN_SPLIT], 8)  # a row past SINGLE_MAX_TOKENS; MIN_SPLIT binds: as many splits as it allows
     assert len(work) == 70
     ragged = [int(n) for n in np.linspace(1000, 16000, 32)]
     work = plan_splits(ragged, 8)
