@@ -94,7 +94,8 @@ _META: dict[tuple[int, float], tuple[mx.array, mx.array]] = {}
 
 
 def _meta(nb: int, scale: float) -> tuple[mx.array, mx.array]:
-    """The kernel's two scalar inputs (table width, softmax scale), made once per value."""
+    """A kernel's two scalar inputs (an int: the table width here, T_cap for ``metal.ragged_decode``;
+    the softmax scale), made once per value."""
     key = (nb, float(scale))
     if key not in _META:
         if len(_META) > 256:

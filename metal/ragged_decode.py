@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from metal.paged_decode import Launch, minify
+from metal.paged_decode import Launch, _meta, minify  # _meta: (int, scale) scalar inputs, made once per value
 from metal.ragged_decode_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
 
 NUM_THREADS = 128  # one block: 4 warps
@@ -70,19 +70,6 @@ def _kernel(name: str, header: str, source: str, input_names: list[str], output_
         _KERNELS[name] = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
                                              source=source, header=header)
     return _KERNELS[name]
-
-
-_META: dict[tuple[int, float], tuple[mx.array, mx.array]] = {}
-
-
-def _meta(t_cap: int, scale: float) -> tuple[mx.array, mx.array]:
-    """The kernel's two scalar inputs (T_cap, the softmax scale), made once per value."""
-    key = (t_cap, float(scale))
-    if key not in _META:
-        if len(_META) > 256:
-            _META.clear()
-        _META[key] = (mx.array([t_cap], dtype=mx.int32), mx.array([scale], dtype=mx.float32))
-    return _META[key]
 
 
 @dataclass(frozen=True)
