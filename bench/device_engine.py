@@ -130,7 +130,8 @@ def count_nodes(arrays: list) -> tuple[int, dict[str, int]]:
 
 class Recorder:
     """Set on the model: times every [B, 1] forward (graph build) and, when ``keep`` is set,
-    counts the nodes of that forward's lazy logits before anything evaluates them."""
+    counts the nodes of that forward's lazy logits before anything evaluates them; the other
+    forwards (prompt chunks) are timed apart (``chunk_build_s``)."""
 
     def __init__(self) -> None:
         self.keep = False
@@ -138,10 +139,15 @@ class Recorder:
 
     def reset(self) -> None:
         self.build_s, self.calls, self.graph = 0.0, 0, None
+        self.chunk_build_s, self.chunk_calls = 0.0, 0  # the other forwards (prompt chunks)
 
     def forward(self, call, inputs, args, kwargs):
         if getattr(inputs, "ndim", 0) != 2 or inputs.shape[1] != 1:
-            return call(inputs, *args, **kwargs)
+            t = time.perf_counter()
+            out = call(inputs, *args, **kwargs)
+            self.chunk_build_s += time.perf_counter() - t
+            self.chunk_calls += 1
+            return out
         t = time.perf_counter()
         out = call(inputs, *args, **kwargs)
         self.build_s += time.perf_counter() - t

@@ -20,6 +20,12 @@ times, in three modes:
   in the commit step;
 * ``profiled``: cProfile of the commit step and of the ordinary step before it (top functions
   by own time).
+
+Then ``--commits`` more commit steps per level in plain mode (each with the ordinary step before
+it: is a commit slow every time, or only the first time at a batch size?). Every prefill step is
+timed too: the prompt chunks' graph build, ``mx.eval`` (a chunk in shared storage is evaluated
+before the next is built) and ``mx.async_eval``. ``new_jit_files`` counts files a step added to
+MLX's PTX cache (``MLX_PTX_CACHE_DIR``): a kernel compiled in that step.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import random
 import statistics
@@ -87,8 +94,8 @@ class Phases:
         patch(pool_mod.KVarNPool, "write_records",
               timed("write_records", pool_mod.KVarNPool.write_records,
                     lambda out, args: list(args[0].layers[args[1]].records.values())))
-        patch(paged_batch, "quantize_blocks",
-              timed("quantize", paged_batch.quantize_blocks, lambda out, args: list(out.values())))
+        patch(paged_batch, "quantize_window_tails",
+              timed("quantize", paged_batch.quantize_window_tails, lambda out, args: list(out.values())))
         patch(paged_batch, "decode_update",
               timed("update_total", paged_batch.decode_update, lambda out, args: layer_arrays(args)))
         patch(paged_batch, "decode_attention",
@@ -109,20 +116,18 @@ def run(args) -> dict:
     P = args.depth + (-(args.depth + k_first)) % TILE
     cfg = SchedulerConfig(max_num_seqs=C, max_num_batched_tokens=C * args.chunk + C, prefill_chunk_size=args.chunk,
                           kv_budget_bytes=int(args.kv_budget_gb * 1e9))
+    log(f"{args.arm}: model built")
     engine = make_engine(loaded, cfg, kv, ApcConfig(enabled=False))
+    log(f"{args.arm}: engine made")
     rng = random.Random(7)
+    # tokens each level decodes at most: three modes (each up to a tile and 6 steps) and the commits; no more,
+    # since admission reserves every row's prompt + max_tokens (a larger one keeps rows out for good)
+    max_tokens = 2 * (3 * (TILE + 8) + args.commits * (TILE + 2)) + 16
     reqs = [Request(RequestId(f"p{i}"), _prompt(rng, P, loaded.vocab_size),
-                    SamplingParams(max_tokens=100000, temperature=0.0, ignore_eos=True)) for i in range(C)]
-    t0 = time.perf_counter()
-    for r in reqs:
-        engine.add_request(r)
-    while not all(r.output_ids for r in reqs):
-        engine.step()
-    log(f"{C} prompts of {P} prefilled in {time.perf_counter() - t0:.2f} s")
-
-    # split a step: the model forward (Recorder), mx.async_eval, the rest
-    dispatch = {"s": 0.0}
-    orig_async = mx.async_eval
+                    SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)) for i in range(C)]
+    # split a step: the model forwards (Recorder), mx.async_eval, mx.eval, the rest
+    dispatch = {"s": 0.0, "eval_s": 0.0}
+    orig_async, orig_eval = mx.async_eval, mx.eval
 
     def async_eval(*a, **kw):
         t = time.perf_counter()
@@ -131,11 +136,41 @@ def run(args) -> dict:
         finally:
             dispatch["s"] += time.perf_counter() - t
 
-    mx.async_eval = async_eval
+    def eval_(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return orig_eval(*a, **kw)
+        finally:
+            dispatch["eval_s"] += time.perf_counter() - t
+
+    mx.async_eval, mx.eval = async_eval, eval_
+    t0 = time.perf_counter()
+    for r in reqs:
+        engine.add_request(r)
+    prefill = []
+    while not all(r.output_ids for r in reqs):
+        if time.perf_counter() - t0 > 900:
+            raise RuntimeError(f"prefill did not finish in 900 s ({engine.num_waiting} requests waiting)")
+        recorder.reset()
+        dispatch["s"] = dispatch["eval_s"] = 0.0
+        jit0 = jit_files()
+        ts = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - ts
+        prefill.append({"wall_s": wall, "chunks": recorder.chunk_calls, "chunk_build_s": recorder.chunk_build_s,
+                        "eval_s": dispatch["eval_s"], "async_eval_s": dispatch["s"], "new_jit_files": jit_files() - jit0})
+        log(f"prefill step {len(prefill) - 1}: {wall:.3f} s, {recorder.chunk_calls} chunks, "
+            f"{sum(bool(r.output_ids) for r in reqs)} rows done, jit +{prefill[-1]['new_jit_files']}")
+    prefill_s = time.perf_counter() - t0
+    log(f"{C} prompts of {P} prefilled in {prefill_s:.2f} s")
+    for i, row in enumerate(prefill[:6]):
+        log(f"prefill step {i}: {row['wall_s'] * 1e3:.1f} ms, {row['chunks']} chunks, build "
+            f"{row['chunk_build_s'] * 1e3:.1f}, eval {row['eval_s'] * 1e3:.1f}, jit +{row['new_jit_files']}")
     phases = Phases()
     phases.install()
     report: dict[str, Any] = {"arm": args.arm, "depth": args.depth, "prompt_tokens": P, "rows": C,
-                              "weights_bytes": weights, "levels": []}
+                              "weights_bytes": weights, "prefill_s": prefill_s, "prefill_steps": prefill,
+                              "levels": []}
     alive = list(reqs)
     try:
         for level in sorted({C, 1}, reverse=True):
@@ -178,17 +213,47 @@ def run(args) -> dict:
                         f"(build {recorder.build_s * 1e3:.1f}, async_eval {dispatch['s'] * 1e3:.1f})"
                         + (f" phases { {k: round(v * 1e3, 2) for k, v in phases.t.items()} }" if mode == "synced" else ""))
                 entry["modes"][mode] = steps
+            entry["commits"] = repeat_commits(engine, alive[0], recorder, dispatch, args.commits)
             ordinary = [s["wall_s"] for s in entry["modes"]["plain"] if not s["tile_step"]]
             tile = [s["wall_s"] for s in entry["modes"]["plain"] if s["tile_step"]]
             entry["median_ordinary_s"] = statistics.median(ordinary)
             entry["tile_s"] = tile[0] if tile else None
             report["levels"].append(entry)
     finally:
-        mx.async_eval = orig_async
+        mx.async_eval, mx.eval = orig_async, orig_eval
         phases.uninstall()
     for r in alive:
         engine.abort_request(r.request_id)
     return report
+
+
+def jit_files() -> int:
+    """Files in MLX's PTX cache (``MLX_PTX_CACHE_DIR``): a step that adds one compiled a kernel."""
+    root = os.environ.get("MLX_PTX_CACHE_DIR")
+    if not root or not os.path.isdir(root):
+        return 0
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
+def repeat_commits(engine, req, recorder, dispatch, n: int) -> list[dict[str, Any]]:
+    """Plain steps through ``n`` more tile boundaries: each commit step and the ordinary step
+    before it (is a commit slow every time, or only the first time at a batch size?)."""
+    rows = []
+    for _ in range(n):
+        while (-(len(req.prompt_ids) + len(req.output_ids))) % TILE != 1:
+            engine.step()
+        for tile in (False, True):
+            recorder.reset()
+            dispatch["s"] = dispatch["eval_s"] = 0.0
+            jit0 = jit_files()
+            ts = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - ts
+            rows.append({"tile_step": tile, "wall_s": wall, "build_s": recorder.build_s, "async_eval_s": dispatch["s"],
+                         "new_jit_files": jit_files() - jit0})
+            log(f"  repeat {'TILE' if tile else 'plain'}: {wall * 1e3:.1f} ms (build {recorder.build_s * 1e3:.1f}, "
+                f"async_eval {dispatch['s'] * 1e3:.1f}, jit +{rows[-1]['new_jit_files']})")
+    return rows
 
 
 def main() -> int:
@@ -199,6 +264,7 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--commits", type=int, default=3, help="commit steps repeated per level after the modes")
     p.add_argument("--kv-budget-gb", type=float, default=100.0)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)

@@ -46,6 +46,7 @@ from kvarn.quantize import quantize_keys_values
 from metal import commit_path
 from kvarn.allocator import BlockAllocator, counter
 from metal.commit import quantize_tiles
+from metal.commit import quantize_window_tails as quantize_window_tails_kernel
 
 PAD = 0  # the reserved id of every kind
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
@@ -110,6 +111,22 @@ def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[
     return quantize_blocks_reference(keys, values, layout)
 
 
+def quantize_window_tails(win_k: mx.array, win_v: mx.array, slots: mx.array, layout: KVLayout) -> dict[str, mx.array]:
+    """``quantize_blocks`` of the tails of windows ``slots`` ([n] int32) of a layer's window
+    buffers [Nw, H, 2G, D] (each window: sink then tail, G tokens each): a decode step's commit.
+    Where the fused kernel runs it reads the tails in place (``metal.commit.quantize_window_tails``:
+    no gather, no copy, one launch); elsewhere the tails are gathered for the pure-MLX quantizer."""
+    _, H, G2, D = win_k.shape
+    G = G2 // 2
+    if win_k.dtype == mx.float16 and commit_path(
+            reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits, value_bits=layout.value_bits,
+            iters=layout.iters) == "cuda-fused":
+        return quantize_window_tails_kernel(win_k=win_k, win_v=win_v, slots=slots, key_bits=layout.key_bits,
+                                            value_bits=layout.value_bits, iters=layout.iters)
+    return quantize_blocks(win_k[slots][:, :, G:].astype(STORE_DTYPE), win_v[slots][:, :, G:].astype(STORE_DTYPE),
+                           layout)
+
+
 def _reference(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int) -> dict[str, mx.array]:
     """``quantize_blocks_reference`` called as ``metal.commit_path``'s self-check calls it."""
     layout = replace(KVLayout.kvarn((key_bits, value_bits), tile_size=keys.shape[2]), iters=iters)
@@ -140,16 +157,24 @@ _COMPILED: dict[KVLayout, object] = {}
 def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
     """Decide the commit path (the fused kernel's self-check) and, where the pure-MLX quantizer
     runs, compile it for every tile-count bucket up to ``max_tiles`` now (at start-up) rather than
-    in the first step that commits that many tiles (a JIT compile on CUDA)."""
+    in the first step that commits that many tiles (a JIT compile on CUDA). A bucket is warmed
+    once per process (a second engine, as in the tests, finds it compiled: warming buckets 1..64
+    evaluates 127 zero tiles, 1.5 s on a CPU)."""
     n = 1
     while True:
-        tiles = mx.zeros((n, H, layout.tile_size, D), STORE_DTYPE)
-        mx.eval(list(quantize_blocks(tiles, tiles, layout).values()))
+        key = (layout, H, D, n)
+        if key not in _WARMED:
+            tiles = mx.zeros((n, H, layout.tile_size, D), STORE_DTYPE)
+            mx.eval(list(quantize_blocks(tiles, tiles, layout).values()))
+            _WARMED.add(key)
         fused = commit_path(reference=_reference, head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
                             value_bits=layout.value_bits, iters=layout.iters) == "cuda-fused"
         if n >= max_tiles or fused:
             return
         n *= 2
+
+
+_WARMED: set[tuple[KVLayout, int, int, int]] = set()  # (layout, H, D, tile-count bucket) evaluated once
 
 
 def _quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:

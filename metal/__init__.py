@@ -103,17 +103,29 @@ def _commit_warning(msg: str, *args) -> None:
 def commit_self_check(reference, *, head_dim: int, tile_size: int, key_bits: int, value_bits: int,
                       iters: int) -> tuple[float, float]:
     """The kernel against ``reference`` on two random tiles of two heads (keys with uneven
-    channels): (fraction of equal code words, worst relative factor difference)."""
-    import numpy as np
-
-    from metal.commit import quantize_tiles
-    k1, k2 = mx.random.split(mx.random.key(17))
+    channels), given as tiles and as the tails of windows 2 and 0 of three-window buffers:
+    (fraction of equal code words, worst relative factor difference; the worse of the two)."""
+    from metal.commit import quantize_tiles, quantize_window_tails
+    k1, k2, k3 = mx.random.split(mx.random.key(17), 3)
     shape = (2, 2, tile_size, head_dim)
     keys = (mx.random.normal(shape, key=k1) * mx.linspace(0.2, 3.0, head_dim)).astype(mx.float16)
     values = mx.random.normal(shape, key=k2).astype(mx.float16)
     kw = dict(keys=keys, values=values, key_bits=key_bits, value_bits=value_bits, iters=iters)
-    got, want = quantize_tiles(**kw), reference(**kw)
+    want = reference(**kw)
+    noise = mx.random.normal((3, 2, 2 * tile_size, head_dim), key=k3).astype(mx.float16)
+    win_k, win_v = mx.array(noise), mx.array(noise)
+    slots = mx.array([2, 0], dtype=mx.int32)
+    win_k[slots, :, tile_size:], win_v[slots, :, tile_size:] = keys, values
     same, worst = 1.0, 0.0
+    for got in (quantize_tiles(**kw), quantize_window_tails(win_k=win_k, win_v=win_v, slots=slots, key_bits=key_bits,
+                                                            value_bits=value_bits, iters=iters)):
+        same, worst = _compare_records(got, want, same, worst)
+    return same, worst
+
+
+def _compare_records(got: dict, want: dict, same: float, worst: float) -> tuple[float, float]:
+    import numpy as np
+
     for name, g in got.items():
         a, b = np.array(g), np.array(want[name])
         if a.shape != b.shape:

@@ -41,7 +41,7 @@ SUPPORTED_TILE_SIZES = (64, 128)
 DEFAULT_ROWS = 4  # rows a thread holds: 1,024 threads a block at G = W = 128 (H200, 32 tiles of one layer:
                   # 0.40 ms against 0.51 at 8 rows; 1 tile: 0.056 against 0.063 ms; bench/commit_cost.py)
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
-INPUTS = ["keys", "values", "bits"]
+INPUTS = ["keys", "values", "bits", "slots"]
 
 
 def _round16(x: int) -> int:
@@ -94,16 +94,35 @@ def _bits(key_bits: int, value_bits: int) -> mx.array:
     return _BITS[key]
 
 
+_NO_SLOTS: list[mx.array] = []
+
+
+def _no_slots() -> mx.array:
+    """The ``slots`` input of a launch over tiles given as such (the kernel does not read it)."""
+    if not _NO_SLOTS:
+        _NO_SLOTS.append(mx.zeros((1,), dtype=mx.int32))
+    return _NO_SLOTS[0]
+
+
 def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int,
-                  rows: int = DEFAULT_ROWS) -> Launch:
-    n, H, G, D = keys.shape
+                  rows: int = DEFAULT_ROWS, slots: mx.array | None = None) -> Launch:
+    """The launch for tiles ``keys``/``values`` [n, H, G, D], or, with ``slots`` ([n] int32), for
+    the tails of those windows of window buffers ``keys``/``values`` [Nw, H, 2G, D] (read in
+    place: template WIN = 1)."""
+    if slots is None:
+        n, H, G, D = keys.shape
+        template = [("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows), ("WIN", 0), ("NH", 1)]
+    else:
+        (n,), (_, H, G2, D) = slots.shape, keys.shape
+        G = G2 // 2
+        template = [("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows), ("WIN", 1), ("NH", H)]
     W = min(D, 128)
     threads = G * W // (4 * rows)
     shapes = output_shapes(n, H, G, D, key_bits, value_bits)
     dtypes = [mx.uint32 if name.endswith("codes") else mx.float16 for name in RECORD_FIELDS]
-    return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits)],
-                  template=[("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows)],
-                  grid=(n * H * (D // W) * threads, 2, 1), threadgroup=(threads, 1, 1),
+    return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits),
+                          _no_slots() if slots is None else slots],
+                  template=template, grid=(n * H * (D // W) * threads, 2, 1), threadgroup=(threads, 1, 1),
                   output_shapes=[shapes[name] for name in RECORD_FIELDS], output_dtypes=dtypes)
 
 
@@ -134,7 +153,26 @@ def quantize_tiles(*, keys: mx.array, values: mx.array, key_bits: int, value_bit
         return {name: mx.zeros(shape, dtype) for (name, shape), dtype in zip(
             output_shapes(0, H, G, D, key_bits, value_bits).items(),
             [mx.uint32 if f.endswith("codes") else mx.float16 for f in RECORD_FIELDS])}
-    call = commit_launch(keys, values, key_bits, value_bits, iters, rows)
+    return _launch(commit_launch(keys, values, key_bits, value_bits, iters, rows), D, G)
+
+
+def quantize_window_tails(*, win_k: mx.array, win_v: mx.array, slots: mx.array, key_bits: int, value_bits: int,
+                          iters: int = 8, rows: int = DEFAULT_ROWS) -> dict[str, mx.array]:
+    """``quantize_tiles`` of the tails of windows ``slots`` ([n] int32) of a pool's float16 window
+    buffers ``win_k``/``win_v`` [Nw, H, 2G, D] (a window is [sink: G tokens | tail: G tokens]),
+    read in place: a decode step's commit with no gather or copy of the tiles. The same bytes as
+    ``quantize_tiles(keys=win_k[slots][:, :, G:], ...)``."""
+    _, H, G2, D = win_k.shape
+    G = G2 // 2
+    if win_v.shape != win_k.shape or win_k.dtype != mx.float16 or win_v.dtype != mx.float16:
+        raise ValueError(f"window buffers {win_k.shape} {win_k.dtype} / {win_v.shape} {win_v.dtype}: "
+                         "need two float16 [Nw, H, 2G, D]")
+    if not is_supported(head_dim=D, tile_size=G, key_bits=key_bits, value_bits=value_bits):
+        raise ValueError(f"no commit kernel for head_dim {D}, tile {G}, bits k{key_bits}v{value_bits}")
+    return _launch(commit_launch(win_k, win_v, key_bits, value_bits, iters, rows, slots=slots), D, G)
+
+
+def _launch(call: Launch, D: int, G: int) -> dict[str, mx.array]:
     outs = _kernel(shared_bytes(D, G))(
         inputs=call.inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
         output_shapes=call.output_shapes, output_dtypes=call.output_dtypes)

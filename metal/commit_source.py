@@ -322,16 +322,20 @@ __device__ void kc_matrix(const __half* src, int src_stride, unsigned char* smem
 }
 """
 
-# Template arguments: G (tile), D (head_dim), ITERS, ROWS (rows per thread); the bits are an
-# input (bits = [key_bits, value_bits], int32), so one compile serves every width.
-# Inputs keys/values [n, H, G, D] float16; outputs the record fields of kvarn/pool.py.
+# Template arguments: G (tile), D (head_dim), ITERS, ROWS (rows per thread), WIN and NH; the bits
+# are an input (bits = [key_bits, value_bits], int32), so one compile serves every width.
+# WIN = 0: inputs keys/values [n, H, G, D] float16 (NH = 1, ``slots`` unread). WIN = 1: keys/values
+# are a pool's window buffers [Nw, NH, 2G, D] float16 and tile t is the tail (positions G .. 2G-1)
+# of window slots[t], read in place (a decode step's commit: no gather, no copy).
+# Outputs the record fields of kvarn/pool.py.
 SOURCE = r"""
   constexpr int W = D > 128 ? 128 : D;
   constexpr int S = D / W;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int mat = blockIdx.x;            // (tile * H + head) * S + slice
   const int th = mat / S, s = mat % S;
-  const int base = th * G * D + s * W;
+  const long base = WIN ? ((long)(slots[th / NH] * NH + th % NH) * (2 * G) + G) * D + s * W
+                        : (long)th * G * D + s * W;
   const int KB = bits[0], VB = bits[1];
   if (blockIdx.y == 0) {
     kc_matrix<W, G, ITERS, ROWS, true, (G != W), G, W>(

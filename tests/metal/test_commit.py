@@ -156,10 +156,12 @@ def test_verdict_off_cuda_never_calls_the_reference():
 
 
 # ---- the CUDA source run by the CPU emulator (slow: one thread per CUDA thread) ----
-def emulated_quantize_tiles(keys: mx.array, values: mx.array, kb: int, vb: int, rows: int) -> dict:
-    """``metal.commit.quantize_tiles`` with the kernel run by the emulator; the outputs start
+def emulated_quantize_tiles(keys: mx.array, values: mx.array, kb: int, vb: int, rows: int,
+                            slots: mx.array | None = None) -> dict:
+    """``metal.commit.quantize_tiles`` with the kernel run by the emulator (with ``slots``:
+    ``quantize_window_tails`` of window buffers ``keys``/``values``); the outputs start
     poisoned, so an element the kernel leaves unwritten fails the comparison."""
-    call = C.commit_launch(keys, values, kb, vb, ITERS, rows)
+    call = C.commit_launch(keys, values, kb, vb, ITERS, rows, slots=slots)
     np_dtype = {mx.uint32: np.uint32, mx.float16: np.float16, mx.int32: np.int32}
     ins = [np.ascontiguousarray(np.array(a)) for a in call.inputs]
     outs = [np.full(shape, 0xDEADBEEF if dtype == mx.uint32 else np.nan, np_dtype[dtype])
@@ -185,6 +187,45 @@ def test_emulated_kernel_matches_quantize_blocks(case):
     keys, values = make_tiles(n, H, G, D, seed=G + D + kb)
     got = emulated_quantize_tiles(keys, values, kb, vb, rows)
     compare(got, reference(keys=keys, values=values, key_bits=kb, value_bits=vb), keys, values, kb, vb)
+
+
+def windows_holding(keys: mx.array, values: mx.array, slots: list[int], num_windows: int) -> tuple[mx.array, mx.array]:
+    """Window buffers [num_windows, H, 2G, D] of noise whose windows ``slots`` hold these tiles
+    as their tails (positions G .. 2G-1): what a decode step's commit reads."""
+    n, H, G, D = keys.shape
+    rng = np.random.default_rng(n + G)
+    win = [rng.standard_normal((num_windows, H, 2 * G, D)).astype(np.float16) for _ in range(2)]
+    for i, slot in enumerate(slots):
+        win[0][slot, :, G:] = np.array(keys[i])
+        win[1][slot, :, G:] = np.array(values[i])
+    return mx.array(win[0]), mx.array(win[1])
+
+
+@needs_gxx
+@pytest.mark.parametrize("case", [(64, 64, 4, 2, [3, 0], 2), (64, 128, 2, 5, [1], 3)],
+                         ids=lambda c: "G{}-D{}-k{}v{}-slots{}-H{}".format(*c))
+def test_emulated_window_tails_match_quantize_blocks(case):
+    """The decode commit's variant (WIN = 1): each tile read in place as the tail of its window
+    (scattered windows, the sinks and other windows full of noise) gives the records of the
+    gathered tails."""
+    G, D, kb, vb, slots, H = case
+    keys, values = make_tiles(len(slots), H, G, D, seed=G + D + kb)
+    win_k, win_v = windows_holding(keys, values, slots, num_windows=max(slots) + 2)
+    got = emulated_quantize_tiles(win_k, win_v, kb, vb, C.DEFAULT_ROWS, slots=mx.array(slots, dtype=mx.int32))
+    compare(got, reference(keys=keys, values=values, key_bits=kb, value_bits=vb), keys, values, kb, vb)
+
+
+def test_pool_window_tails_are_the_gathered_tails():
+    """``kvarn.pool.quantize_window_tails`` (whichever path runs here) gives the records of
+    ``quantize_blocks`` over the gathered tails, byte for byte."""
+    from kvarn.pool import quantize_blocks, quantize_window_tails
+    layout = KVLayout(scheme="kvarn", key_bits=4, value_bits=2, tile_size=64, iters=ITERS)
+    keys, values = make_tiles(3, 2, 64, 64, seed=5)
+    win_k, win_v = windows_holding(keys, values, [4, 1, 2], num_windows=6)
+    got = quantize_window_tails(win_k, win_v, mx.array([4, 1, 2], dtype=mx.int32), layout)
+    want = quantize_blocks(keys, values, layout)
+    for name in RECORD_FIELDS:
+        assert np.array_equal(np.array(got[name]), np.array(want[name])), name
 
 
 def test_compare_sees_a_wrong_code():
@@ -237,6 +278,20 @@ def test_kernel_four_rows_a_thread(G, D):
     keys, values = make_tiles(4, 2, G, D, seed=3)
     kw = dict(keys=keys, values=values, key_bits=4, value_bits=2)
     compare(C.quantize_tiles(**kw, rows=4), reference(**kw), keys, values, 4, 2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("slots", [[0], [5, 2, 7], list(range(31, -1, -1))])
+def test_kernel_window_tails(slots):
+    keys, values = make_tiles(len(slots), 8, 128, 128, seed=len(slots))
+    win_k, win_v = windows_holding(keys, values, slots, num_windows=max(slots) + 3)
+    got = C.quantize_window_tails(win_k=win_k, win_v=win_v, slots=mx.array(slots, dtype=mx.int32), key_bits=4,
+                                  value_bits=2)
+    kw = dict(keys=keys, values=values, key_bits=4, value_bits=2)
+    compare(got, reference(**kw), keys, values, 4, 2)
+    tiles = C.quantize_tiles(**kw)  # the same kernel either way: the same bytes
+    for name in RECORD_FIELDS:
+        assert np.array_equal(np.array(got[name]), np.array(tiles[name])), name
 
 
 @needs_cuda
