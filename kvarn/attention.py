@@ -22,7 +22,8 @@ from kvarn.batch import BatchRows, batch_attention
 from kvarn.cache import Chunk, KVarNKVCache
 from kvarn.paged import PagedLayer
 from kvarn.paged_batch import PagedBatch, paged_attention, reads_codes_directly
-from kvarn.slots import SlotBatch, attends_per_row, fused_decode, fused_decode_attention, per_row_attention
+from kvarn.slot_attention import attends_per_row, fused_decode, fused_decode_attention, per_row_attention
+from kvarn.slots import SlotBatch
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
 

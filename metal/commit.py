@@ -29,6 +29,7 @@ float noise of a rounding boundary: tests/metal/test_commit.py counts them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 
@@ -111,19 +112,28 @@ def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: i
     place: template WIN = 1)."""
     if slots is None:
         n, H, G, D = keys.shape
-        template = [("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows), ("WIN", 0), ("NH", 1)]
     else:
         (n,), (_, H, G2, D) = slots.shape, keys.shape
         G = G2 // 2
-        template = [("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows), ("WIN", 1), ("NH", H)]
+    template, grid, threadgroup, shapes, dtypes = _launch_shape(n, H, G, D, key_bits, value_bits, iters, rows,
+                                                                slots is not None)
+    return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits),
+                          _no_slots() if slots is None else slots],
+                  template=list(template), grid=grid, threadgroup=threadgroup, output_shapes=list(shapes),
+                  output_dtypes=list(dtypes))
+
+
+@lru_cache(maxsize=256)
+def _launch_shape(n: int, H: int, G: int, D: int, key_bits: int, value_bits: int, iters: int, rows: int,
+                  window: bool) -> tuple:
+    """A launch's template, grid and outputs, made once per shape (a decode step asks once a layer)."""
+    template = (("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows), ("WIN", int(window)), ("NH", H if window else 1))
     W = min(D, 128)
     threads = G * W // (4 * rows)
     shapes = output_shapes(n, H, G, D, key_bits, value_bits)
-    dtypes = [mx.uint32 if name.endswith("codes") else mx.float16 for name in RECORD_FIELDS]
-    return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits),
-                          _no_slots() if slots is None else slots],
-                  template=template, grid=(n * H * (D // W) * threads, 2, 1), threadgroup=(threads, 1, 1),
-                  output_shapes=[shapes[name] for name in RECORD_FIELDS], output_dtypes=dtypes)
+    dtypes = tuple(mx.uint32 if name.endswith("codes") else mx.float16 for name in RECORD_FIELDS)
+    return (template, (n * H * (D // W) * threads, 2, 1), (threads, 1, 1),
+            tuple(shapes[name] for name in RECORD_FIELDS), dtypes)
 
 
 _KERNELS: dict[int, object] = {}

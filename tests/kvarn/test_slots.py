@@ -17,7 +17,8 @@ from kvarn.attention import install_attention_seam
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_cache, make_cache
 from kvarn.batch import make_batch_cache
 from kvarn.layout import KVLayout
-from kvarn.slots import SlotBatch, SlotRow, SlotStore, fused_decode, make_row_cache, make_stores
+from kvarn.slot_attention import fused_decode
+from kvarn.slots import SlotBatch, SlotRow, SlotStore, make_row_cache, make_stores
 from tests.kvarn.test_models import build
 
 H, D = 2, 64
@@ -480,7 +481,7 @@ def test_fused_decode_reads_each_row_over_its_own_slot(monkeypatch):
     """The GPU's fused ragged decode (metal.ragged_decode) is handed the store's whole buffers and
     each row's slot and length after the write: run here through the kernel's pure-MLX twin, it
     gives what the masked call over the batch's slice does. The CPU itself takes the masked call."""
-    import kvarn.slots as slots
+    import kvarn.slot_attention as slots
     from metal.ragged_decode import reference_ragged_decode_attention
 
     batch, q, keys, values, mask = _batch_after_a_write(np.random.default_rng(12))
@@ -505,7 +506,7 @@ HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: the fused kernel runs only there")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_fused_decode_on_the_gpu_matches_the_masked_batch(dtype):
-    import kvarn.slots as slots
+    import kvarn.slot_attention as slots
 
     batch, q, keys, values, mask = _batch_after_a_write(np.random.default_rng(13), dtype)
     assert slots.fused_decode(batch, q, None)
