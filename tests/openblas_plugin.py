@@ -28,6 +28,11 @@ import pytest
 
 from server.blas import DISABLE_ENV, maybe_reexec_with_openblas, openblas_active
 
+# One OpenBLAS thread: the suite runs one pytest-xdist worker a core (pyproject's addopts). Two
+# threads in one process bought 13% of wall time on this project's 2-core CI machine for 46% more
+# CPU (its spinning threads: 24 s of system time in 43 s of tests), so workers with two threads
+# each would fight over the cores. The ``kvarn`` command keeps OpenBLAS's default.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 maybe_reexec_with_openblas()
 
 MARK = "reference_blas"
@@ -45,7 +50,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "KVARN_OPENBLAS_REEXEC")}
     env[DISABLE_ENV] = "1"
     root = str(pyfuncitem.config.rootpath)
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
                             pyfuncitem.nodeid], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     if child.returncode != 0 or " passed" not in child.stdout:
         pytest.fail(f"under the reference BLAS (exit {child.returncode}):\n{child.stdout[-6000:]}\n{child.stderr[-2000:]}",

@@ -614,7 +614,7 @@ def _app_client(fake: _FakeClient, api_key: str | None = None) -> TestClient:
 
 
 def _sse(response: httpx.Response) -> list[dict[str, Any]]:
-    lines = [line for line in response.text.splitlines() if line]
+    lines = [line for line in response.text.splitlines() if line and not line.startswith(":")]  # ":": SSE pings
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line[len("data: "):]) for line in lines[:-1]]
 
