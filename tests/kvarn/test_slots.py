@@ -444,7 +444,7 @@ def bundled_model():
 
 def test_per_row_attention_equals_the_masked_batch():
     """The GPU's deep-batch path (one unmasked fused call per row) computes what the masked call does."""
-    from kvarn.slots import attends_per_row, per_row_attention
+    from kvarn.slot_attention import attends_per_row, per_row_attention
 
     rng = np.random.default_rng(11)
     store = SlotStore()
