@@ -129,21 +129,16 @@ def run(args) -> dict:
     dispatch = {"s": 0.0, "eval_s": 0.0}
     orig_async, orig_eval = mx.async_eval, mx.eval
 
-    def async_eval(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig_async(*a, **kw)
-        finally:
-            dispatch["s"] += time.perf_counter() - t
+    def timed(fn, slot: str):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                dispatch[slot] += time.perf_counter() - t
+        return wrapper
 
-    def eval_(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return orig_eval(*a, **kw)
-        finally:
-            dispatch["eval_s"] += time.perf_counter() - t
-
-    mx.async_eval, mx.eval = async_eval, eval_
+    mx.async_eval, mx.eval = timed(orig_async, "s"), timed(orig_eval, "eval_s")
     t0 = time.perf_counter()
     for r in reqs:
         engine.add_request(r)

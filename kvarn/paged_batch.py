@@ -18,13 +18,10 @@ import mlx.core as mx
 
 from kvarn.batch import BatchRows
 from kvarn.paged import PagedLayer, PagedRow, _rounded
-from kvarn.pool import PAD, STORE_DTYPE, dequantize_blocks, quantize_blocks, quantize_window_tails
+from kvarn.pool import PAD, dequantize_blocks, quantize_window_tails
 from kvarn.quantize import rotate
 from metal import attention_path
 from metal.paged_decode import RowLengths, is_supported, make_plan, paged_decode_attention
-
-COMMIT_IN_PLACE = 1  # 0: the decode commit gathers the tails first (bench/step_profile.py --set, to compare)
-
 
 @dataclass(frozen=True)
 class StepIndex:
@@ -190,11 +187,7 @@ def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array
         flat[rows] = _rounded(x, pool.window_dtype).reshape(-1, D)
         setattr(a, name, flat.reshape(shape))
     if index.commit_rows:
-        if COMMIT_IN_PLACE:
-            tiles = quantize_window_tails(a.win_k, a.win_v, index.commit_slots, view0.layout)  # read in place
-        else:
-            tiles = quantize_blocks(a.win_k[index.commit_slots][:, :, G:].astype(STORE_DTYPE),
-                                    a.win_v[index.commit_slots][:, :, G:].astype(STORE_DTYPE), view0.layout)
+        tiles = quantize_window_tails(a.win_k, a.win_v, index.commit_slots, view0.layout)  # read in place
         pool.write_records(l, index.commit_ids, tiles)
     committing = set(index.commit_rows)
     for b, view in enumerate(layers):

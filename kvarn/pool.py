@@ -111,6 +111,9 @@ def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[
     return quantize_blocks_reference(keys, values, layout)
 
 
+COMMIT_IN_PLACE = 1  # 0: gather the tails even where the kernel runs (bench/step_profile.py --set, an A/B)
+
+
 def quantize_window_tails(win_k: mx.array, win_v: mx.array, slots: mx.array, layout: KVLayout) -> dict[str, mx.array]:
     """``quantize_blocks`` of the tails of windows ``slots`` ([n] int32) of a layer's window
     buffers [Nw, H, 2G, D] (each window: sink then tail, G tokens each): a decode step's commit.
@@ -118,7 +121,7 @@ def quantize_window_tails(win_k: mx.array, win_v: mx.array, slots: mx.array, lay
     no gather, no copy, one launch); elsewhere the tails are gathered for the pure-MLX quantizer."""
     _, H, G2, D = win_k.shape
     G = G2 // 2
-    if win_k.dtype == mx.float16 and commit_path(
+    if COMMIT_IN_PLACE and win_k.dtype == mx.float16 and commit_path(
             reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits, value_bits=layout.value_bits,
             iters=layout.iters) == "cuda-fused":
         return quantize_window_tails_kernel(win_k=win_k, win_v=win_v, slots=slots, key_bits=layout.key_bits,
