@@ -4,6 +4,7 @@ writer thread writes."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,12 +67,17 @@ def host_arrays(parts: Sequence[Part]) -> tuple[str, list[tuple[np.ndarray, bool
     arrays, meta = [], ""
     for p in parts:
         if p.name.endswith(".meta"):
-            meta = p.data.decode()
+            meta = bytes(p.data).decode()
         elif p.dtype == _BFLOAT16:
             arrays.append((np.frombuffer(p.data, dtype="<u2").reshape(p.shape), True))
         else:
-            arrays.append((np.frombuffer(p.data, dtype=np.dtype(p.dtype)).reshape(p.shape), False))
+            arrays.append((np.frombuffer(p.data, dtype=_np_dtype(p.dtype)).reshape(p.shape), False))
     return kind, arrays, meta
+
+
+@functools.lru_cache(maxsize=None)
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(name)
 
 
 def payload_to_parts(payload: Payload) -> list[Part]:

@@ -115,12 +115,8 @@ class PrefixCache:
         disk = self.disk
 
         def job() -> None:
-            found: list[tuple[BlockKey, list[Part]]] = []
-            for block in blocks:
-                parts = disk.get(block.key, block.tokens) if block.key in disk else None
-                if parts is None:
-                    break
-                found.append((block, parts))
+            read = disk.get_many([(block.key, block.tokens) for block in blocks])
+            found: list[tuple[BlockKey, list[Part]]] = list(zip(blocks, read))
             self._done.put(lambda: self._load_blocks(start, parent, found))
 
         disk.submit(job)

@@ -6,6 +6,7 @@
 #   bash bench/device_session.sh masked CHUNK  # session 19: chunk attention masked vs by tiles, the view's
 #                                              # GPU tests, the engine at c = 1 and 32 with prompt chunks of CHUNK
 #                                              # (WITH_APC=1: bench/device_apc.py before the engine; SKIP_CA=1: no chunk bench)
+#   bash bench/device_session.sh s22      # session 22: in-place commit A/B, prefill steps, disk hit, no CUDA graphs
 # Every call ends by packing MLX's compiled-kernel cache into $OUT (mlx-cuda-kit --ptx-cache takes it).
 # Each step has its own time limit; logs and JSON land in $OUT (fetched back by the device tool).
 set -uo pipefail
@@ -49,7 +50,17 @@ case "${1:-}" in
       --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency ${LEVELS:-1,32} --mlxlm stacked --chunk "$chunk" \
       --time-budget $(( ${ENGINE_S:-300} - 20 ))
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]" >&2; exit 2 ;;
+  s22)  # session 22: the in-place decode commit A/B through the engine (step profiles with prefill
+        # steps timed), the prefix cache's disk hit after the format-3 read path, the commit step
+        # without CUDA graphs (is its one-time cost graph instantiation?)
+    sp="python3 bench/step_profile.py --arm kvarn-k4v2 --depth 4096 --rows 32 --commits 2 --kv-budget-gb 40"
+    TAIL=20 step sp-inplace 150 $sp --out "$OUT/step-profile-h200-s22-inplace.json"
+    TAIL=20 step sp-gather 130 $sp --out "$OUT/step-profile-h200-s22-gather.json" --set kvarn.pool.COMMIT_IN_PLACE=0
+    TAIL=8 step apc 100 python3 bench/device_apc.py --out "$OUT/device-apc-h200-s22.json" --arms kvarn-k4v2,fp16 \
+      --prompts 2 --repeats 3
+    TAIL=20 step sp-nographs 120 env MLX_USE_CUDA_GRAPHS=0 $sp --out "$OUT/step-profile-h200-s22-nographs.json"
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"

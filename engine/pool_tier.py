@@ -40,6 +40,19 @@ from kvarn.pool import KVarNPool
 _WIDTH = {"sink": 2, "record": 8}  # arrays per layer of a block's disk payload
 
 
+def _stacked_fields(blocks: Sequence[Sequence[Part]], first: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each part of ``blocks`` (every block with the part layout of the first, whose arrays are
+    ``first``) stacked over the blocks: ``[n, *shape[1:]]`` a part, from one joined payload."""
+    n = len(blocks)
+    payload = np.frombuffer(b"".join(p.data for parts in blocks for p in parts), dtype=np.uint8).reshape(n, -1)
+    out, start = [], 0
+    for a in first:
+        column = payload[:, start: start + a.nbytes]
+        out.append(np.ascontiguousarray(column).view(a.dtype).reshape((n,) + a.shape[1:]))
+        start += a.nbytes
+    return out
+
+
 @dataclass(frozen=True)
 class SinkOf:
     """What a row offers as block 0: its window's sink."""
@@ -114,29 +127,43 @@ class PoolTier:
     def load(self, parent: BlockKey | None,
              blocks: Sequence[tuple[BlockKey, Sequence[Part]]]) -> tuple[int, bytes | None]:
         """Cache blocks read from disk (a chain's continuation after ``parent``): written into free
-        pool blocks, all of them at once (one host-to-device copy and one scatter per record field
-        and layer, however many blocks), as many as the budget has room for, in order, up to the
+        pool blocks, all of them at once, as many as the budget has room for, in order, up to the
         first block that does not fit this pool's layout. Returns how many are cached and the key
-        of the block that did not fit, if one stopped it (its file is then removed)."""
+        of the block that did not fit, if one stopped it (its file is then removed).
+
+        The first record block is checked field by field (shapes and dtypes against the layout);
+        the others must have its part layout exactly (names, dtypes, shapes: one list comparison a
+        block). Their payloads are then stacked into one ``[blocks, bytes]`` host array and each
+        record field of each layer is one column range of it: one host-to-device copy and one
+        scatter per field and layer, however many blocks, and no per-part work per block."""
         L = len(self.pool.layers)
-        sink, records, bad = None, [], None
+        sink, records, bad, layout = None, [], None, None
         for block, parts in blocks:  # checked on the host first: nothing is written for a bad block
             if block.key in self:
                 break
             want = "sink" if block.index == 0 else "record"
+            shape_of = [(p.name, p.dtype, p.shape) for p in parts]
+            if want == "record" and layout is not None:
+                if shape_of != layout:
+                    bad = block.key
+                    break
+                records.append((block, parts))
+                continue
             kind, host, _ = host_arrays(parts)
             arrays = [a for a, _ in host]
-            if kind != want or len(host) != _WIDTH[want] * L or any(bf16 for _, bf16 in host) \
-                    or not self._fits(want, arrays):
+            if kind != want or len(host) != _WIDTH[want] * L or len(parts) != len(host) \
+                    or any(bf16 for _, bf16 in host) or not self._fits(want, arrays):
                 bad = block.key
                 break
             if want == "sink":
                 sink = (block, arrays)
             else:
-                records.append((block, arrays))
+                layout = shape_of
+                records.append((block, parts))
         if not (sink or records) or (parent is not None and parent.key not in self):
             return 0, bad
-        self._learn_shapes(sink[1] if sink else None, records[0][1] if records else None)
+        first = host_arrays(records[0][1])[1] if records else None
+        self._learn_shapes(sink[1] if sink else None, [a for a, _ in first] if first else None)
         need = (self.pool.sink_bytes() if sink else 0) + len(records) * self.pool.block_bytes()
         while need and not self._room_for(need):  # as many as fit, in chain order
             if not records:
@@ -154,9 +181,9 @@ class PoolTier:
             count = 1
         if records:
             ids = self.pool.allocate("records", len(records))
+            fields = _stacked_fields([parts for _, parts in records], [a for a, _ in first])
             for l in range(L):
-                joined = [np.concatenate([arrays[8 * l + j] for _, arrays in records]) for j in range(8)]
-                self.pool.write_records(l, ids, block_major([mx.array(x) for x in joined]))
+                self.pool.write_records(l, ids, block_major([mx.array(x) for x in fields[8 * l: 8 * l + 8]]))
             for rid, (block, _) in zip(ids, records):
                 self.pool.records.set_hash(rid, block.key, block.tokens)
             self.pool.records.decref(ids)  # released last-first, like a row's: a chain's tail is evicted first
@@ -186,7 +213,7 @@ class PoolTier:
                     want = single_tile_shapes(self.pool.layout, H, D)
                 except ValueError:  # no KVarN layout has such heads
                     return False
-                if [(a.shape, a.dtype.name) for a in arrays[8 * l: 8 * l + 8]] != want:
+                if any(a.shape != shape or a.dtype != dtype for a, (shape, dtype) in zip(arrays[8 * l: 8 * l + 8], want)):
                     return False
             if self.pool.shapes[l] not in (None, (H, D)):
                 return False

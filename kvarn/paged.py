@@ -20,10 +20,12 @@ caches are in ``kvarn.paged_batch``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from kvarn.cache import Chunk, KVarNRowProtocol
 from kvarn.layout import KVLayout
@@ -144,9 +146,10 @@ def single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
             v_alpha[None, :, None], v_beta[None, :, None], v_c[None, :, None])
 
 
-def single_tile_shapes(layout: KVLayout, H: int, D: int) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, NumPy dtype string) of each array ``single_tile`` gives for one block of H heads
-    of D channels (what a prefix-cache block read from disk must hold)."""
+@functools.lru_cache(maxsize=64)
+def single_tile_shapes(layout: KVLayout, H: int, D: int) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+    """(shape, NumPy dtype) of each array ``single_tile`` gives for one block of H heads of D
+    channels (what a prefix-cache block read from disk must hold)."""
     shapes = record_shapes(layout, H, D)
     axes = {"k_codes": (0,), "k_alpha": (0, -1), "k_beta": (0, -1), "k_r": (0,), "v_codes": (0, 2),
             "v_alpha": (0, 2), "v_beta": (0, 2), "v_c": (0, 2)}  # where single_tile adds unit axes
@@ -156,8 +159,8 @@ def single_tile_shapes(layout: KVLayout, H: int, D: int) -> list[tuple[tuple[int
         full = list(shape)
         for axis in axes[name]:
             full.insert(len(full) + 1 + axis if axis < 0 else axis, 1)
-        out.append((tuple(full), "uint32" if dtype == mx.uint32 else "float16"))
-    return out
+        out.append((tuple(full), np.dtype(np.uint32 if dtype == mx.uint32 else np.float16)))
+    return tuple(out)
 
 
 def block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:

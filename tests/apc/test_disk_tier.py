@@ -202,11 +202,10 @@ def test_a_consistent_but_wrong_header_is_a_miss(tmp_path, tier):
     """Headers are validated field by field even when the digest matches (a file written by
     something else, or by a later format): shapes that disagree with a part's bytes, a missing
     key, an unknown dtype, another format version, a payload longer than its parts."""
-    import hashlib
     import json
     import struct
 
-    from apc.disk_tier import DIGEST, MAGIC
+    from apc.disk_tier import DIGEST, MAGIC, VERSION, digest
 
     _, blocks, keys = blocks_of_a_row(1)
     parts = to_parts(blocks[0].kind, blocks[0].arrays)
@@ -223,13 +222,13 @@ def test_a_consistent_but_wrong_header_is_a_miss(tmp_path, tier):
         edit(h)
         text = json.dumps(h).encode()
         body = MAGIC + struct.pack("<I", len(text)) + text + payload + extra
-        return body + hashlib.blake2b(body, digest_size=DIGEST).digest()
+        return body + digest(body)
 
     edits = {
         "reversed shape": lambda h: h["parts"][0].update(shape=h["parts"][0]["shape"][::-1] + [2]),
         "renamed field": lambda h: h["parts"][0].update(size=h["parts"][0].pop("nbytes")),
         "unknown dtype": lambda h: h["parts"][0].update(dtype="<f8"),
-        "other version": lambda h: h.update(version=3),
+        "other version": lambda h: h.update(version=VERSION + 1),
         "no tokens": lambda h: h.pop("tokens"),
         "overlapping parts": lambda h: h["parts"][1].update(offset=0),
     }
@@ -243,3 +242,41 @@ def test_a_consistent_but_wrong_header_is_a_miss(tmp_path, tier):
     with tier._lock:
         tier._index[keys[0].key] = (1, 0.0)
     assert tier.get(keys[0].key, keys[0].tokens) is None and tier.stats.bad_files == len(edits) + 1
+
+
+def test_get_many_reads_a_chain_in_order_up_to_its_first_miss(tmp_path, tier):
+    """A chain's files are read concurrently but taken in order: a damaged file ends the hit
+    (removed and counted), the files after it are neither counted nor touched, a key without a
+    file ends it without a read."""
+    _, blocks, keys = blocks_of_a_row(4)
+    for block, key in zip(blocks, keys):
+        tier.put(key.key, key.tokens, to_parts(block.kind, block.arrays))
+    tier.flush()
+    wanted = [(k.key, k.tokens) for k in keys]
+    got = tier.get_many(wanted)
+    assert len(got) == 4 and tier.stats.reads == 4 and tier.stats.hits == 4
+    assert all(parts_equal(g, to_parts(b.kind, b.arrays)) for g, b in zip(got, blocks))
+    last = tmp_path / "stamp" / (keys[3].hex + ".blk")
+    os.utime(last, (1.0, 1.0))
+    corrupt(tmp_path / "stamp" / (keys[2].hex + ".blk"), "bit-flip")
+    got = tier.get_many(wanted)
+    assert len(got) == 2 and tier.stats.reads == 4 + 3 and tier.stats.hits == 4 + 2
+    assert tier.stats.bad_files == 1 and keys[2].key not in tier and keys[3].key in tier
+    assert last.stat().st_mtime == 1.0  # read, but after the miss: not touched
+    assert tier.get_many([wanted[0], (b"\0" * 16, keys[1].tokens), wanted[1]]) == got[:1]
+    assert tier.stats.reads == 7 + 1
+
+
+def test_a_file_of_an_older_format_is_a_miss(tmp_path, tier):
+    """Format 2 (BLAKE2b digest, its own magic) is not read by format 3: a miss, removed."""
+    import hashlib
+
+    from apc.disk_tier import DIGEST, MAGIC
+
+    _, blocks, keys = blocks_of_a_row(1)
+    tier.put(keys[0].key, keys[0].tokens, to_parts(blocks[0].kind, blocks[0].arrays))
+    tier.flush()
+    path = tmp_path / "stamp" / (keys[0].hex + ".blk")
+    body = b"KVARNAPC2\n" + path.read_bytes()[len(MAGIC): -DIGEST]
+    path.write_bytes(body + hashlib.blake2b(body, digest_size=DIGEST).digest())
+    assert tier.get(keys[0].key, keys[0].tokens) is None and not path.exists() and tier.stats.bad_files == 1

@@ -153,6 +153,9 @@ def test_disk_payloads_are_the_single_stream_block_format_and_load_into_a_fresh_
         a = fresh.layers[l]
         assert same(a.win_k[row.slot][None, :, :G], want.sink_k)
         assert same(a.win_v[row.slot][None, :, G: G + view.tail_len], want.tail_v[..., : want.tail_len, :])
+    other = PoolTier(KVarNPool(LAYOUT, LAYERS))  # a record with a part the layout has no room for
+    extra = list(parts[1]) + [Part("record.meta", "|u1", (2,), b"{}")]
+    assert other.load(None, list(zip(chain[:3], [parts[0], extra, parts[2]]))) == (1, chain[1].key)
 
 
 def test_the_budget_decides_whether_a_sink_is_copied():

@@ -215,13 +215,14 @@ def test_a_slow_disk_read_does_not_stall_other_rows(loaded, ids, references, sch
     engine.add_request(other)
     while not other.output_ids:
         engine.step()
-    slow_get = DiskTier.get
+    slow_read = DiskTier._read  # one file's read (``get`` and ``get_many`` both read through it)
 
-    def get(self, key, tokens):
+    def read(self, key, tokens):
         time.sleep(0.4)
-        return slow_get(self, key, tokens)
+        return slow_read(self, key, tokens)
 
-    monkeypatch.setattr(DiskTier, "get", get)
+    monkeypatch.setattr(DiskTier, "_read", read)
+    monkeypatch.setattr("apc.disk_tier.READ_THREADS", 1)  # one file at a time: 7 x 0.4 s
     late = Request(RequestId("late"), list(prompt), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     engine.add_request(late)
     steps, started, longest = 0, time.perf_counter(), 0.0
