@@ -31,6 +31,34 @@ ARMS = {"kvarn-k4v2": KVConfig("kvarn", 4, 2), "fp16": KVConfig("fp16"), "affine
 CONFIG = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024, prefill_chunk_size=512, kv_budget_bytes=2**31)
 
 
+class DiskHitParts:
+    """Where a disk hit's time goes: the reader thread's ``DiskTier.get_many`` (files read and
+    verified) and the engine thread's ``PoolTier.load`` (blocks into the pool)."""
+
+    def __enter__(self):
+        from apc.disk_tier import DiskTier
+        from engine.pool_tier import PoolTier
+
+        self.seconds = {"read_verify": 0.0, "load_into_pool": 0.0}
+        self._saved = [(DiskTier, "get_many", DiskTier.get_many), (PoolTier, "load", PoolTier.load)]
+        for (cls, name, fn), slot in zip(self._saved, self.seconds):
+            setattr(cls, name, self._timed(fn, slot))
+        return self
+
+    def _timed(self, fn, slot):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[slot] += time.perf_counter() - t
+        return wrapper
+
+    def __exit__(self, *exc):
+        for cls, name, fn in self._saved:
+            setattr(cls, name, fn)
+
+
 def ttft(engine, prompt: list[int], max_tokens: int = 1) -> tuple[float, list[int], int]:
     """(seconds to the first token, greedy tokens, cached prompt tokens)."""
     rid = RequestId(f"r{time.perf_counter_ns()}")
@@ -83,15 +111,18 @@ def main() -> None:
             engine.close()
             restarted = make_engine(loaded, CONFIG, kv, ApcConfig(disk_dir=folder, memory_bytes=2**30))
             ttft(restarted, ids[-64:], 2)
-            disk, disk_cached = [], []
+            disk, disk_cached, parts = [], [], []
             for p in prompts:
-                t, _, c = ttft(restarted, p)
+                with DiskHitParts() as split:
+                    t, _, c = ttft(restarted, p)
                 disk.append(t)
                 disk_cached.append(c)
+                parts.append(split.seconds)
             restarted.close()
         row = {"cold_ms": 1e3 * statistics.median(cold), "memory_hit_ms": 1e3 * statistics.median(memory),
                "disk_hit_ms": 1e3 * statistics.median(disk), "cached_tokens": cached, "disk_cached_tokens": disk_cached,
-               "greedy_equal_after_restore": f"{agree}/{len(prompts)}"}
+               "greedy_equal_after_restore": f"{agree}/{len(prompts)}",
+               "disk_hit_parts_ms": [{k: 1e3 * v for k, v in p.items()} for p in parts]}
         row["memory_speedup"] = row["cold_ms"] / row["memory_hit_ms"]
         row["disk_speedup"] = row["cold_ms"] / row["disk_hit_ms"]
         results["arms"][name] = row

@@ -17,10 +17,10 @@ OUT=${OUT:-/tmp/out}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "${LOGS:-$OUT}/$name.log" 2>&1
   local rc=$?
   echo "== $name: rc=$rc in $((SECONDS - t0)) s"
-  tail -n "${TAIL:-12}" "$OUT/$name.log"
+  tail -n "${TAIL:-12}" "${LOGS:-$OUT}/$name.log"
 }
 case "${1:-}" in
   checks)
@@ -60,7 +60,20 @@ case "${1:-}" in
       --prompts 2 --repeats 3
     TAIL=20 step sp-nographs 120 env MLX_USE_CUDA_GRAPHS=0 $sp --out "$OUT/step-profile-h200-s22-nographs.json"
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22" >&2; exit 2 ;;
+  s22b)  # session 22, second call: the prefill again with every shape seen (kvarn and fp16), what a
+         # new attention shape costs, the disk hit split into read and load, the bundled model's batching
+    LOGS=/tmp/steplogs; mkdir -p $LOGS /tmp/batching  # the device tool brings back 8 files at most
+    sp="python3 bench/step_profile.py --depth 4096 --rows 32 --commits 1 --kv-budget-gb 40 --prefill-rounds 2"
+    TAIL=16 step sp-kvarn 130 $sp --arm kvarn-k4v2 --out "$OUT/step-profile-h200-s22-rounds-kvarn.json"
+    TAIL=16 step sp-fp16 120 $sp --arm fp16 --out "$OUT/step-profile-h200-s22-rounds-fp16.json"
+    TAIL=14 step sdpa 60 python3 bench/sdpa_shapes.py --out "$OUT/sdpa-shapes-h200.json"
+    TAIL=4 step apc 80 python3 bench/device_apc.py --out "$OUT/device-apc-h200-s22b.json" --arms kvarn-k4v2,fp16 \
+      --prompts 2 --repeats 3
+    TAIL=16 step batching 140 python3 bench/device_batching.py --out /tmp/batching --dtype float16 --levels 16,64
+    tar -C /tmp -czf "$OUT/batching.tar.gz" batching
+    cat $LOGS/*.log > "$OUT/logs.txt"
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"

@@ -21,6 +21,8 @@ times, in three modes:
 * ``profiled``: cProfile of the commit step and of the ordinary step before it (top functions
   by own time).
 
+``--prefill-rounds 2`` prefills a second set of C prompts of the same length after the first
+(aborted): its steps meet no shape for the first time (no kernel compile, no new cuDNN graph).
 Then ``--commits`` more commit steps per level in plain mode (each with the ordinary step before
 it: is a commit slow every time, or only the first time at a batch size?). Every prefill step is
 timed too: the prompt chunks' graph build, ``mx.eval`` (a chunk in shared storage is evaluated
@@ -139,33 +141,44 @@ def run(args) -> dict:
         return wrapper
 
     mx.async_eval, mx.eval = timed(orig_async, "s"), timed(orig_eval, "eval_s")
-    t0 = time.perf_counter()
-    for r in reqs:
-        engine.add_request(r)
-    prefill = []
-    while not all(r.output_ids for r in reqs):
-        if time.perf_counter() - t0 > 900:
-            raise RuntimeError(f"prefill did not finish in 900 s ({engine.num_waiting} requests waiting)")
-        recorder.reset()
-        dispatch["s"] = dispatch["eval_s"] = 0.0
-        jit0 = jit_files()
-        ts = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - ts
-        prefill.append({"wall_s": wall, "chunks": recorder.chunk_calls, "chunk_build_s": recorder.chunk_build_s,
-                        "eval_s": dispatch["eval_s"], "async_eval_s": dispatch["s"], "new_jit_files": jit_files() - jit0})
-        log(f"prefill step {len(prefill) - 1}: {wall:.3f} s, {recorder.chunk_calls} chunks, "
-            f"{sum(bool(r.output_ids) for r in reqs)} rows done, jit +{prefill[-1]['new_jit_files']}")
-    prefill_s = time.perf_counter() - t0
-    log(f"{C} prompts of {P} prefilled in {prefill_s:.2f} s")
-    for i, row in enumerate(prefill[:6]):
-        log(f"prefill step {i}: {row['wall_s'] * 1e3:.1f} ms, {row['chunks']} chunks, build "
-            f"{row['chunk_build_s'] * 1e3:.1f}, eval {row['eval_s'] * 1e3:.1f}, jit +{row['new_jit_files']}")
+    rounds = []
+    for round_ in range(args.prefill_rounds):
+        if round_:  # the same shapes again, every compile and cuDNN graph of the first round made
+            for r in reqs:
+                engine.abort_request(r.request_id)
+            engine.step()
+            reqs = [Request(RequestId(f"p{round_}-{i}"), _prompt(rng, P, loaded.vocab_size),
+                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)) for i in range(C)]
+        t0 = time.perf_counter()
+        for r in reqs:
+            engine.add_request(r)
+        prefill = []
+        while not all(r.output_ids for r in reqs):
+            if time.perf_counter() - t0 > 900:
+                raise RuntimeError(f"prefill did not finish in 900 s ({engine.num_waiting} requests waiting)")
+            recorder.reset()
+            dispatch["s"] = dispatch["eval_s"] = 0.0
+            jit0 = jit_files()
+            ts = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - ts
+            prefill.append({"wall_s": wall, "chunks": recorder.chunk_calls, "chunk_build_s": recorder.chunk_build_s,
+                            "eval_s": dispatch["eval_s"], "async_eval_s": dispatch["s"],
+                            "new_jit_files": jit_files() - jit0})
+            log(f"prefill step {len(prefill) - 1}: {wall:.3f} s, {recorder.chunk_calls} chunks, "
+                f"{sum(bool(r.output_ids) for r in reqs)} rows done, jit +{prefill[-1]['new_jit_files']}")
+        prefill_s = time.perf_counter() - t0
+        log(f"round {round_}: {C} prompts of {P} prefilled in {prefill_s:.2f} s ({C * P / prefill_s:.0f} tok/s)")
+        for i, row in enumerate(prefill[:8]):
+            log(f"prefill step {i}: {row['wall_s'] * 1e3:.1f} ms, {row['chunks']} chunks, build "
+                f"{row['chunk_build_s'] * 1e3:.1f}, eval {row['eval_s'] * 1e3:.1f}, "
+                f"async_eval {row['async_eval_s'] * 1e3:.1f}, jit +{row['new_jit_files']}")
+        rounds.append({"prefill_s": prefill_s, "tok_per_s": C * P / prefill_s, "steps": prefill})
     phases = Phases()
     phases.install()
     report: dict[str, Any] = {"arm": args.arm, "depth": args.depth, "prompt_tokens": P, "rows": C,
-                              "weights_bytes": weights, "prefill_s": prefill_s, "prefill_steps": prefill,
-                              "levels": []}
+                              "weights_bytes": weights, "prefill_s": rounds[0]["prefill_s"],
+                              "prefill_steps": rounds[0]["steps"], "prefill_rounds": rounds, "levels": []}
     alive = list(reqs)
     try:
         for level in sorted({C, 1}, reverse=True):
@@ -261,6 +274,8 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--commits", type=int, default=3, help="commit steps repeated per level after the modes")
     p.add_argument("--kv-budget-gb", type=float, default=100.0)
+    p.add_argument("--prefill-rounds", type=int, default=1,
+                   help="prefill C new prompts this many times (round 2 on: every shape seen before)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
