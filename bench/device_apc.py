@@ -10,7 +10,10 @@ Run on the lent H200 with MLX's CUDA backend (see shared/tools/README.md); on a 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import tempfile
@@ -45,13 +48,26 @@ class DiskHitParts:
             setattr(cls, name, self._timed(fn, slot))
         return self
 
+    def __init__(self, profile: bool = False) -> None:
+        self.profile = profile
+        self.profiles: dict[str, str] = {}  # slot -> the top functions of its cProfile (``--profile``)
+
     def _timed(self, fn, slot):
         def wrapper(*args, **kwargs):
+            prof = cProfile.Profile() if self.profile else None
             t = time.perf_counter()
+            if prof is not None:
+                prof.enable()  # in the calling thread (the reader's for get_many)
             try:
                 return fn(*args, **kwargs)
             finally:
+                if prof is not None:
+                    prof.disable()
                 self.seconds[slot] += time.perf_counter() - t
+                if prof is not None:
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+                    self.profiles[slot] = text.getvalue()
         return wrapper
 
     def __exit__(self, *exc):
@@ -84,6 +100,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16",
                         help="the bundled model's compute dtype (float16: weights dequantized, so no "
                              "quantized_matmul JIT compiles on a fresh GPU machine; native: its 8-bit weights)")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of each disk hit's read and load")
     args = parser.parse_args()
     loaded = load_model(None, args.dtype)
     data = json.loads((Path(__file__).resolve().parents[1] / "engine/data/kld_prompts.json").read_text())
@@ -113,11 +130,13 @@ def main() -> None:
             ttft(restarted, ids[-64:], 2)
             disk, disk_cached, parts = [], [], []
             for p in prompts:
-                with DiskHitParts() as split:
+                with DiskHitParts(args.profile) as split:
                     t, _, c = ttft(restarted, p)
                 disk.append(t)
                 disk_cached.append(c)
                 parts.append(split.seconds)
+                for slot, text in split.profiles.items():
+                    print(f"--- {name} disk hit, {slot} (cProfile, by own time)\n{text}", flush=True)
             restarted.close()
         row = {"cold_ms": 1e3 * statistics.median(cold), "memory_hit_ms": 1e3 * statistics.median(memory),
                "disk_hit_ms": 1e3 * statistics.median(disk), "cached_tokens": cached, "disk_cached_tokens": disk_cached,

@@ -73,7 +73,16 @@ case "${1:-}" in
     tar -C /tmp -czf "$OUT/batching.tar.gz" batching
     cat $LOGS/*.log > "$OUT/logs.txt"
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b" >&2; exit 2 ;;
+  s22c)  # session 22, third call: where a disk hit's read and load go (cProfile), the engine benchmark
+         # with the in-place decode commit
+    LOGS=/tmp/steplogs; mkdir -p $LOGS
+    TAIL=3 step apc 80 python3 bench/device_apc.py --out "$OUT/device-apc-h200-s22c.json" --arms kvarn-k4v2 \
+      --prompts 2 --repeats 3 --profile
+    TAIL=30 step engine 400 python3 bench/device_engine.py --out "$OUT/device-engine-h200-s22.json" \
+      --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency 1,32 --mlxlm stacked --chunk 2048 --time-budget 380
+    cat $LOGS/*.log > "$OUT/logs.txt"
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"
