@@ -82,7 +82,11 @@ case "${1:-}" in
       --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency 1,32 --mlxlm stacked --chunk 2048 --time-budget 380
     cat $LOGS/*.log > "$OUT/logs.txt"
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c" >&2; exit 2 ;;
+  s22d)  # session 22, fourth call: the disk hit with one host-to-device copy a read
+    TAIL=3 step apc 80 python3 bench/device_apc.py --out "$OUT/device-apc-h200-s22d.json" --arms kvarn-k4v2,fp16 \
+      --prompts 2 --repeats 3
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"

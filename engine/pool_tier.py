@@ -40,15 +40,21 @@ from kvarn.pool import KVarNPool
 _WIDTH = {"sink": 2, "record": 8}  # arrays per layer of a block's disk payload
 
 
-def _stacked_fields(blocks: Sequence[Sequence[Part]], first: Sequence[np.ndarray]) -> list[np.ndarray]:
+_MX_DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float16): mx.float16}  # a record's (``_fits``)
+
+
+def _stacked_fields(blocks: Sequence[Sequence[Part]], first: Sequence[np.ndarray]) -> list[mx.array]:
     """Each part of ``blocks`` (every block with the part layout of the first, whose arrays are
-    ``first``) stacked over the blocks: ``[n, *shape[1:]]`` a part, from one joined payload."""
+    ``first``) stacked over the blocks, ``[n, *shape[1:]]`` a part: the payloads joined on the
+    host and sent to the device as one array, each part a column range of it there (one transfer
+    however many parts: making an MLX array from a host array costs ~0.15 ms on the H200's host)."""
     n = len(blocks)
-    payload = np.frombuffer(b"".join(p.data for parts in blocks for p in parts), dtype=np.uint8).reshape(n, -1)
+    host = np.frombuffer(b"".join(p.data for parts in blocks for p in parts), dtype=np.uint8).reshape(n, -1)
+    device = mx.array(host)
     out, start = [], 0
     for a in first:
-        column = payload[:, start: start + a.nbytes]
-        out.append(np.ascontiguousarray(column).view(a.dtype).reshape((n,) + a.shape[1:]))
+        column = mx.contiguous(device[:, start: start + a.nbytes])
+        out.append(column.view(_MX_DTYPES[a.dtype]).reshape((n,) + a.shape[1:]))
         start += a.nbytes
     return out
 
@@ -133,9 +139,10 @@ class PoolTier:
 
         The first record block is checked field by field (shapes and dtypes against the layout);
         the others must have its part layout exactly (names, dtypes, shapes: one list comparison a
-        block). Their payloads are then stacked into one ``[blocks, bytes]`` host array and each
-        record field of each layer is one column range of it: one host-to-device copy and one
-        scatter per field and layer, however many blocks, and no per-part work per block."""
+        block). Their payloads are then stacked into one ``[blocks, bytes]`` array, sent to the
+        device at once, and each record field of each layer is one column range of it: one
+        host-to-device copy, one scatter per field and layer, however many blocks, and no per-part
+        work per block."""
         L = len(self.pool.layers)
         sink, records, bad, layout = None, [], None, None
         for block, parts in blocks:  # checked on the host first: nothing is written for a bad block
@@ -183,7 +190,7 @@ class PoolTier:
             ids = self.pool.allocate("records", len(records))
             fields = _stacked_fields([parts for _, parts in records], [a for a, _ in first])
             for l in range(L):
-                self.pool.write_records(l, ids, block_major([mx.array(x) for x in fields[8 * l: 8 * l + 8]]))
+                self.pool.write_records(l, ids, block_major(fields[8 * l: 8 * l + 8]))
             for rid, (block, _) in zip(ids, records):
                 self.pool.records.set_hash(rid, block.key, block.tokens)
             self.pool.records.decref(ids)  # released last-first, like a row's: a chain's tail is evicted first

@@ -160,7 +160,8 @@ _COMPILED: dict[KVLayout, object] = {}
 def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
     """Decide the commit path (the fused kernel's self-check) and, where the pure-MLX quantizer
     runs, compile it for every tile-count bucket up to ``max_tiles`` now (at start-up) rather than
-    in the first step that commits that many tiles (a JIT compile on CUDA). A bucket is warmed
+    in the first step that commits that many tiles (a JIT compile on CUDA); where the fused kernel
+    runs, build the decode commit's template for these heads (``quantize_window_tails``). A bucket is warmed
     once per process (a second engine, as in the tests, finds it compiled: warming buckets 1..64
     evaluates 127 zero tiles, 1.5 s on a CPU)."""
     n = 1
@@ -172,12 +173,20 @@ def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
             _WARMED.add(key)
         fused = commit_path(reference=_reference, head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
                             value_bits=layout.value_bits, iters=layout.iters) == "cuda-fused"
+        if fused and (layout, H, D, "window") not in _WARMED:
+            # the decode commit's kernel is its own template (WIN = 1, NH = the model's heads), which
+            # the self-check (other heads) does not build: its first use in a step cost 3.9 s on the
+            # H200 (the whole batch waited; docs/benchmarks.md section 18)
+            G = layout.tile_size
+            windows = mx.zeros((1, H, 2 * G, D), STORE_DTYPE)
+            mx.eval(list(quantize_window_tails(windows, windows, mx.zeros((1,), mx.int32), layout).values()))
+            _WARMED.add((layout, H, D, "window"))
         if n >= max_tiles or fused:
             return
         n *= 2
 
 
-_WARMED: set[tuple[KVLayout, int, int, int]] = set()  # (layout, H, D, tile-count bucket) evaluated once
+_WARMED: set[tuple[KVLayout, int, int, int | str]] = set()  # (layout, H, D, tile-count bucket or "window") evaluated once
 
 
 def _quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:

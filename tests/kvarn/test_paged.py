@@ -397,3 +397,28 @@ def test_decode_drops_the_rows_last_prompt_chunk():
     assert view.chunk is not None and view.chunk.window_k.shape[2] == 200 - LAYOUT.tile_size
     PagedBatch([view]).update_and_fetch(*kv(rng, 1))
     assert view.chunk is None
+
+
+def test_warming_builds_the_decode_commit_for_the_models_heads_once(monkeypatch):
+    """Where the fused commit runs, start-up also evaluates the decode commit (its own kernel
+    template, by the model's heads) once a process; on the reference path it does not."""
+    import kvarn.pool as pool_mod
+
+    layout = KVLayout.kvarn("k4v2", tile_size=64)
+    calls = []
+
+    def kernel(*, win_k, win_v, slots, key_bits, value_bits, iters):
+        calls.append((win_k.shape, slots.shape, key_bits, value_bits))
+        G = win_k.shape[2] // 2
+        return pool_mod.quantize_blocks_reference(win_k[slots][:, :, G:], win_v[slots][:, :, G:], layout)
+
+    monkeypatch.setattr(pool_mod, "_WARMED", set())
+    pool_mod.warm_quantizer(layout, 3, 128, 2)
+    assert not calls  # the CPU: no fused kernel, nothing but the quantizer buckets
+    monkeypatch.setattr(pool_mod, "commit_path", lambda **kw: "cuda-fused")
+    monkeypatch.setattr(pool_mod, "quantize_window_tails_kernel", kernel)
+    monkeypatch.setattr(pool_mod, "quantize_tiles", lambda *, keys, values, key_bits, value_bits, iters, **kw:
+                        pool_mod.quantize_blocks_reference(keys, values, layout))
+    for _ in range(2):
+        pool_mod.warm_quantizer(layout, 3, 128, 2)
+    assert calls == [((1, 3, 128, 128), (1,), 4, 2)]
