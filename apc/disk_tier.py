@@ -236,25 +236,13 @@ class DiskTier:
 
     # --- reading (caller's thread) ---
     def get(self, key: bytes, tokens: tuple[int, ...]) -> list[Part] | None:
-        with self._lock:
-            if not self.enabled or key not in self._index:
-                return None
-        self.stats.reads += 1
-        path, parts, exc = self._read(key, tokens)
-        if parts is None:
-            logger.warning("prefix cache: bad block file %s (%s): removed", path.name, exc)
-            self._remove_bad(path, key)
-            return None
-        with self._lock:
-            if key in self._index:
-                self._index[key] = (self._index[key][0], _touch(path))
-        self.stats.hits += 1
-        return parts
+        found = self.get_many([(key, tokens)])
+        return found[0] if found else None
 
     def get_many(self, blocks: Sequence[tuple[bytes, tuple[int, ...]]]) -> list[list[Part]]:
-        """The parts of ``blocks`` (key, tokens), in order, up to the first miss (a missing or bad
-        file: handled as ``get`` does), their files read and verified concurrently. Files after
-        the first miss are neither counted nor touched."""
+        """The parts of ``blocks`` (key, tokens), in order, up to the first miss: a block without
+        a file, or a bad file (removed and counted). Several files are read and verified
+        concurrently; files after the first miss are neither counted nor touched."""
         with self._lock:
             if not self.enabled:
                 return []
@@ -263,11 +251,12 @@ class DiskTier:
                 if key not in self._index:
                     break
                 known.append((key, tokens))
-        if not known:
-            return []
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kvarn-apc-read")
-        results = list(self._pool.map(lambda b: self._read(*b), known))
+        if len(known) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kvarn-apc-read")
+            results = list(self._pool.map(lambda b: self._read(*b), known))
+        else:
+            results = [self._read(*b) for b in known]
         found: list[list[Part]] = []
         for (key, _), (path, parts, exc) in zip(known, results):
             self.stats.reads += 1

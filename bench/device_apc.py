@@ -38,6 +38,10 @@ class DiskHitParts:
     """Where a disk hit's time goes: the reader thread's ``DiskTier.get_many`` (files read and
     verified) and the engine thread's ``PoolTier.load`` (blocks into the pool)."""
 
+    def __init__(self, profile: bool = False) -> None:
+        self.profile = profile
+        self.profiles: dict[str, str] = {}  # slot -> the top functions of its cProfile (``--profile``)
+
     def __enter__(self):
         from apc.disk_tier import DiskTier
         from engine.pool_tier import PoolTier
@@ -47,10 +51,6 @@ class DiskHitParts:
         for (cls, name, fn), slot in zip(self._saved, self.seconds):
             setattr(cls, name, self._timed(fn, slot))
         return self
-
-    def __init__(self, profile: bool = False) -> None:
-        self.profile = profile
-        self.profiles: dict[str, str] = {}  # slot -> the top functions of its cProfile (``--profile``)
 
     def _timed(self, fn, slot):
         def wrapper(*args, **kwargs):

@@ -156,15 +156,9 @@ def run(args) -> dict:
         while not all(r.output_ids for r in reqs):
             if time.perf_counter() - t0 > 900:
                 raise RuntimeError(f"prefill did not finish in 900 s ({engine.num_waiting} requests waiting)")
-            recorder.reset()
-            dispatch["s"] = dispatch["eval_s"] = 0.0
-            jit0 = jit_files()
-            ts = time.perf_counter()
-            engine.step()
-            wall = time.perf_counter() - ts
+            wall, jit = timed_step(engine, recorder, dispatch)
             prefill.append({"wall_s": wall, "chunks": recorder.chunk_calls, "chunk_build_s": recorder.chunk_build_s,
-                            "eval_s": dispatch["eval_s"], "async_eval_s": dispatch["s"],
-                            "new_jit_files": jit_files() - jit0})
+                            "eval_s": dispatch["eval_s"], "async_eval_s": dispatch["s"], "new_jit_files": jit})
             log(f"prefill step {len(prefill) - 1}: {wall:.3f} s, {recorder.chunk_calls} chunks, "
                 f"{sum(bool(r.output_ids) for r in reqs)} rows done, jit +{prefill[-1]['new_jit_files']}")
         prefill_s = time.perf_counter() - t0
@@ -243,6 +237,17 @@ def jit_files() -> int:
     return sum(len(files) for _, _, files in os.walk(root))
 
 
+def timed_step(engine, recorder, dispatch) -> tuple[float, int]:
+    """One engine step with the recorder and the eval timers reset: (wall seconds, files it added
+    to MLX's kernel cache)."""
+    recorder.reset()
+    dispatch["s"] = dispatch["eval_s"] = 0.0
+    jit0 = jit_files()
+    ts = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - ts, jit_files() - jit0
+
+
 def repeat_commits(engine, req, recorder, dispatch, n: int) -> list[dict[str, Any]]:
     """Plain steps through ``n`` more tile boundaries: each commit step and the ordinary step
     before it (is a commit slow every time, or only the first time at a batch size?)."""
@@ -251,14 +256,9 @@ def repeat_commits(engine, req, recorder, dispatch, n: int) -> list[dict[str, An
         while (-(len(req.prompt_ids) + len(req.output_ids))) % TILE != 1:
             engine.step()
         for tile in (False, True):
-            recorder.reset()
-            dispatch["s"] = dispatch["eval_s"] = 0.0
-            jit0 = jit_files()
-            ts = time.perf_counter()
-            engine.step()
-            wall = time.perf_counter() - ts
+            wall, jit = timed_step(engine, recorder, dispatch)
             rows.append({"tile_step": tile, "wall_s": wall, "build_s": recorder.build_s, "async_eval_s": dispatch["s"],
-                         "new_jit_files": jit_files() - jit0})
+                         "new_jit_files": jit})
             log(f"  repeat {'TILE' if tile else 'plain'}: {wall * 1e3:.1f} ms (build {recorder.build_s * 1e3:.1f}, "
                 f"async_eval {dispatch['s'] * 1e3:.1f}, jit +{rows[-1]['new_jit_files']})")
     return rows

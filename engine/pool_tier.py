@@ -144,7 +144,7 @@ class PoolTier:
         host-to-device copy, one scatter per field and layer, however many blocks, and no per-part
         work per block."""
         L = len(self.pool.layers)
-        sink, records, bad, layout = None, [], None, None
+        sink, records, bad, layout, first = None, [], None, None, None
         for block, parts in blocks:  # checked on the host first: nothing is written for a bad block
             if block.key in self:
                 break
@@ -165,12 +165,11 @@ class PoolTier:
             if want == "sink":
                 sink = (block, arrays)
             else:
-                layout = shape_of
+                layout, first = shape_of, arrays
                 records.append((block, parts))
         if not (sink or records) or (parent is not None and parent.key not in self):
             return 0, bad
-        first = host_arrays(records[0][1])[1] if records else None
-        self._learn_shapes(sink[1] if sink else None, [a for a, _ in first] if first else None)
+        self._learn_shapes(sink[1] if sink else None, first)
         need = (self.pool.sink_bytes() if sink else 0) + len(records) * self.pool.block_bytes()
         while need and not self._room_for(need):  # as many as fit, in chain order
             if not records:
@@ -188,7 +187,7 @@ class PoolTier:
             count = 1
         if records:
             ids = self.pool.allocate("records", len(records))
-            fields = _stacked_fields([parts for _, parts in records], [a for a, _ in first])
+            fields = _stacked_fields([parts for _, parts in records], first)
             for l in range(L):
                 self.pool.write_records(l, ids, block_major(fields[8 * l: 8 * l + 8]))
             for rid, (block, _) in zip(ids, records):
