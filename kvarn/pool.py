@@ -47,6 +47,10 @@ from metal import commit_path
 from kvarn.allocator import BlockAllocator, counter
 from metal.commit import quantize_tiles
 from metal.commit import quantize_window_tails as quantize_window_tails_kernel
+from metal.commit_metal import quantize_tiles as metal_quantize_tiles
+from metal.commit_metal import quantize_window_tails as metal_quantize_window_tails
+
+FUSED = ("cuda-fused", "metal-fused")  # commit verdicts that run a fused kernel
 
 PAD = 0  # the reserved id of every kind
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
@@ -101,13 +105,16 @@ def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[
 
     On a CUDA GPU where ``metal.commit_path`` says so (the fused kernel has the layout's template
     and passed its self-check against this module's quantizer), one launch of
-    ``metal.commit.quantize_tiles`` for every tile, head, K and V: the same bytes (tested).
+    ``metal.commit.quantize_tiles`` for every tile, head, K and V: the same bytes (tested); on an
+    Apple GPU where it says ``"metal-fused"``, the Metal twin ``metal.commit_metal.quantize_tiles``.
     Elsewhere the pure-MLX quantizer (``quantize_blocks_reference``)."""
     n, H, G, D = keys.shape
-    if commit_path(reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits,
-                   value_bits=layout.value_bits, iters=layout.iters) == "cuda-fused":
-        return quantize_tiles(keys=keys, values=values, key_bits=layout.key_bits, value_bits=layout.value_bits,
-                              iters=layout.iters)
+    path = commit_path(reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits,
+                       value_bits=layout.value_bits, iters=layout.iters)
+    if path in FUSED:
+        kernel = quantize_tiles if path == "cuda-fused" else metal_quantize_tiles
+        return kernel(keys=keys, values=values, key_bits=layout.key_bits, value_bits=layout.value_bits,
+                      iters=layout.iters)
     return quantize_blocks_reference(keys, values, layout)
 
 
@@ -117,15 +124,17 @@ COMMIT_IN_PLACE = 1  # 0: gather the tails even where the kernel runs (bench/ste
 def quantize_window_tails(win_k: mx.array, win_v: mx.array, slots: mx.array, layout: KVLayout) -> dict[str, mx.array]:
     """``quantize_blocks`` of the tails of windows ``slots`` ([n] int32) of a layer's window
     buffers [Nw, H, 2G, D] (each window: sink then tail, G tokens each): a decode step's commit.
-    Where the fused kernel runs it reads the tails in place (``metal.commit.quantize_window_tails``:
-    no gather, no copy, one launch); elsewhere the tails are gathered for the pure-MLX quantizer."""
+    Where a fused kernel runs it reads the tails in place (``metal.commit.quantize_window_tails``,
+    on Apple GPUs ``metal.commit_metal.quantize_window_tails``: no gather, no copy, one launch);
+    elsewhere the tails are gathered for the pure-MLX quantizer."""
     _, H, G2, D = win_k.shape
     G = G2 // 2
-    if COMMIT_IN_PLACE and win_k.dtype == mx.float16 and commit_path(
-            reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits, value_bits=layout.value_bits,
-            iters=layout.iters) == "cuda-fused":
-        return quantize_window_tails_kernel(win_k=win_k, win_v=win_v, slots=slots, key_bits=layout.key_bits,
-                                            value_bits=layout.value_bits, iters=layout.iters)
+    path = commit_path(reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits,
+                       value_bits=layout.value_bits, iters=layout.iters) if COMMIT_IN_PLACE else "reference"
+    if win_k.dtype == mx.float16 and path in FUSED:
+        kernel = quantize_window_tails_kernel if path == "cuda-fused" else metal_quantize_window_tails
+        return kernel(win_k=win_k, win_v=win_v, slots=slots, key_bits=layout.key_bits, value_bits=layout.value_bits,
+                      iters=layout.iters)
     return quantize_blocks(win_k[slots][:, :, G:].astype(STORE_DTYPE), win_v[slots][:, :, G:].astype(STORE_DTYPE),
                            layout)
 
@@ -172,7 +181,7 @@ def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
             mx.eval(list(quantize_blocks(tiles, tiles, layout).values()))
             _WARMED.add(key)
         fused = commit_path(reference=_reference, head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
-                            value_bits=layout.value_bits, iters=layout.iters) == "cuda-fused"
+                            value_bits=layout.value_bits, iters=layout.iters) in FUSED
         if fused and (layout, H, D, "window") not in _WARMED:
             # the decode commit's kernel is its own template (WIN = 1, NH = the model's heads), which
             # the self-check (other heads) does not build: its first use in a step cost 3.9 s on the

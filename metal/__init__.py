@@ -1,13 +1,19 @@
 """Hand-written kernels through MLX's custom-kernel API, each with a pure-MLX reference.
 
-``paged_decode``: the fused paged KVarN decode attention (CUDA). Which decode path is in force is
-decided once per process by ``attention_path()``: the fused kernel where the backend has it and a
+``paged_decode``: the fused paged KVarN decode attention (CUDA); ``paged_decode_metal``: its Metal
+twin (Apple GPUs). Which decode path is in force is decided once per process by
+``attention_path()``: ``"cuda-fused"`` or ``"metal-fused"`` where the backend has the kernel and a
 self-check at first use (kernel against reference on a small random case) passes; otherwise the
 reference, with one logged warning.
 
-``commit``: the fused tile commit (the whole quantizer, CUDA). ``commit_path(reference=...)``
-decides it the same way, once per layout; the caller passes the pure-MLX quantizer it must match
-(``metal`` imports nothing of ``kvarn``).
+``commit``: the fused tile commit (the whole quantizer, CUDA); ``commit_metal``: its Metal twin.
+``commit_path(reference=...)`` decides it the same way, once per layout; the caller passes the
+pure-MLX quantizer it must match (``metal`` imports nothing of ``kvarn``).
+
+The Metal twins were written and tested without an Apple GPU: their Metal text is run on Linux
+CPUs by a g++ emulator (``tests/metal/metal_emulator.py``) and has never been compiled by Apple's
+Metal compiler here. On an Apple GPU the self-checks above are what compiles and checks them
+before use; a compile error or a failed check gives the reference (docs/kernels.md, "Metal twins").
 
 ``ragged_decode``: the fused ragged decode attention of the fp16 baseline (CUDA): every row of a
 layer over its own slot of the shared ``[N, H, T_cap, D]`` buffers, float16 or bfloat16.
@@ -28,10 +34,20 @@ _VERDICT: list[str] = []
 SELF_CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference|: float16 noise is ~1e-3
 
 
-def _self_check() -> float:
-    """Kernel vs reference on a small random pool (records at scattered ids, ragged rows)."""
+def _has_cuda() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def _has_metal() -> bool:
+    return hasattr(mx, "metal") and mx.metal.is_available()
+
+
+def _self_check(kernel=None) -> float:
+    """``kernel`` (``paged_decode_attention``'s signature; None: the CUDA one) vs the reference on
+    a small random pool (records at scattered ids, ragged rows): the max relative error."""
     from metal.paged_decode import RECORD_FIELDS, RowLengths, paged_decode_attention, \
         reference_paged_decode_attention
+    kernel = kernel or paged_decode_attention
     key = mx.random.key(11)
     H, NR, D, G, N = 2, 4, 128, 128, 6
     ks = mx.random.split(key, 12)
@@ -48,28 +64,31 @@ def _self_check() -> float:
     lengths = RowLengths(slots=(2, 1, 3), sink_len=(G, 7, G), tail_len=(5, 0, 0), num_tiles=(3, 0, 1))
     kw = dict(queries=queries, records={n: records[n] for n in RECORD_FIELDS}, win_k=win_k, win_v=win_v,
               table=table, lengths=lengths, scale=D ** -0.5, key_bits=4, value_bits=2)
-    out = paged_decode_attention(**kw).astype(mx.float32)
+    out = kernel(**kw).astype(mx.float32)
     ref = reference_paged_decode_attention(**kw).astype(mx.float32)
     return (mx.max(mx.abs(out - ref)) / mx.max(mx.abs(ref))).item()
 
 
 def _decide() -> str:
-    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
-        if hasattr(mx, "metal") and mx.metal.is_available():
-            log.warning("kvarn: no fused Metal decode kernel yet; KVarN decode runs the pure-MLX reference path")
-        else:
-            log.warning("kvarn: no GPU backend with a fused decode kernel; KVarN decode runs the pure-MLX reference path")
+    if _has_cuda():
+        kind, kernel, verdict = "CUDA", None, "cuda-fused"
+    elif _has_metal():
+        from metal.paged_decode_metal import paged_decode_attention as kernel
+        kind, verdict = "Metal", "metal-fused"
+    else:
+        log.warning("kvarn: no GPU backend with a fused decode kernel; KVarN decode runs the pure-MLX reference path")
         return "reference"
     try:
-        err = _self_check()
+        err = _self_check(kernel)
     except Exception as exc:  # a compile or launch failure: the reference still works
-        log.warning("kvarn: the fused CUDA decode kernel failed its self-check (%s); running the reference path", exc)
+        log.warning("kvarn: the fused %s decode kernel failed its self-check (%s); running the reference path", kind,
+                    exc)
         return "reference"
     if not err <= SELF_CHECK_TOLERANCE:
-        log.warning("kvarn: the fused CUDA decode kernel is off its reference by %.3g (max relative); running the "
-                    "reference path", err)
+        log.warning("kvarn: the fused %s decode kernel is off its reference by %.3g (max relative); running the "
+                    "reference path", kind, err)
         return "reference"
-    return "cuda-fused"
+    return verdict
 
 
 def attention_path() -> str:
@@ -101,11 +120,16 @@ def _commit_warning(msg: str, *args) -> None:
 
 
 def commit_self_check(reference, *, head_dim: int, tile_size: int, key_bits: int, value_bits: int,
-                      iters: int) -> tuple[float, float]:
+                      iters: int, kernels: tuple | None = None) -> tuple[float, float]:
     """The kernel against ``reference`` on two random tiles of two heads (keys with uneven
     channels), given as tiles and as the tails of windows 2 and 0 of three-window buffers:
-    (fraction of equal code words, worst relative factor difference; the worse of the two)."""
-    from metal.commit import quantize_tiles, quantize_window_tails
+    (fraction of equal code words, worst relative factor difference; the worse of the two).
+    ``kernels``: (quantize_tiles, quantize_window_tails) with ``metal.commit``'s signatures
+    (None: the CUDA ones)."""
+    if kernels is None:
+        from metal.commit import quantize_tiles, quantize_window_tails
+    else:
+        quantize_tiles, quantize_window_tails = kernels
     k1, k2, k3 = mx.random.split(mx.random.key(17), 3)
     shape = (2, 2, tile_size, head_dim)
     keys = (mx.random.normal(shape, key=k1) * mx.linspace(0.2, 3.0, head_dim)).astype(mx.float16)
@@ -139,37 +163,43 @@ def _compare_records(got: dict, want: dict, same: float, worst: float) -> tuple[
 
 
 def _decide_commit(reference, key: tuple) -> str:
-    from metal.commit import is_supported
     head_dim, tile_size, key_bits, value_bits, iters = key
-    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+    if _has_cuda():
+        from metal.commit import is_supported
+        kind, kernels, verdict = "CUDA", None, "cuda-fused"
+    elif _has_metal():
+        from metal.commit_metal import is_supported, quantize_tiles, quantize_window_tails
+        kind, kernels, verdict = "Metal", (quantize_tiles, quantize_window_tails), "metal-fused"
+    else:
         _commit_warning("kvarn: no GPU backend with a fused commit kernel; KVarN commits run the pure-MLX quantizer")
         return "reference"
     if not is_supported(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits):
-        _commit_warning("kvarn: no fused commit kernel for head_dim %d, tile %d, k%dv%d; commits run the pure-MLX "
-                        "quantizer", head_dim, tile_size, key_bits, value_bits)
+        _commit_warning("kvarn: no fused %s commit kernel for head_dim %d, tile %d, k%dv%d; commits run the pure-MLX "
+                        "quantizer", kind, head_dim, tile_size, key_bits, value_bits)
         return "reference"
     try:
         same, worst = commit_self_check(reference, head_dim=head_dim, tile_size=tile_size, key_bits=key_bits,
-                                        value_bits=value_bits, iters=iters)
+                                        value_bits=value_bits, iters=iters, kernels=kernels)
     except Exception as exc:  # a compile or launch failure: the reference still works
-        _commit_warning("kvarn: the fused CUDA commit kernel failed its self-check (%s); commits run the pure-MLX "
-                        "quantizer", exc)
+        _commit_warning("kvarn: the fused %s commit kernel failed its self-check (%s); commits run the pure-MLX "
+                        "quantizer", kind, exc)
         return "reference"
     if not (same >= COMMIT_SELF_CHECK_CODES and worst <= COMMIT_SELF_CHECK_FACTORS):
-        _commit_warning("kvarn: the fused CUDA commit kernel is off its reference (%.4f of code words equal, "
-                        "factors off by %.3g); commits run the pure-MLX quantizer", same, worst)
+        _commit_warning("kvarn: the fused %s commit kernel is off its reference (%.4f of code words equal, "
+                        "factors off by %.3g); commits run the pure-MLX quantizer", kind, same, worst)
         return "reference"
-    return "cuda-fused"
+    return verdict
 
 
 def commit_path(*, reference, head_dim: int = 128, tile_size: int = 128, key_bits: int = 4, value_bits: int = 2,
                 iters: int = 8) -> str:
-    """``"cuda-fused"`` | ``"reference"``: the KVarN tile commit in force for this layout, decided
-    at its first call and fixed for the process: the fused kernel where MLX has a CUDA device, the
-    kernel has a template for the layout and it passes a self-check against ``reference`` (the
-    pure-MLX quantizer: called as ``reference(keys=, values=, key_bits=, value_bits=, iters=)``
-    like ``metal.commit.quantize_tiles``, returning the same record fields); else the reference,
-    with one logged warning. Off CUDA ``reference`` is not called."""
+    """``"cuda-fused"`` | ``"metal-fused"`` | ``"reference"``: the KVarN tile commit in force for
+    this layout, decided at its first call and fixed for the process: the fused kernel where MLX
+    has a CUDA device (``metal.commit``) or an Apple GPU (``metal.commit_metal``), the kernel has a
+    template for the layout and it passes a self-check against ``reference`` (the pure-MLX
+    quantizer: called as ``reference(keys=, values=, key_bits=, value_bits=, iters=)`` like
+    ``metal.commit.quantize_tiles``, returning the same record fields); else the reference, with
+    one logged warning. Without a GPU backend ``reference`` is not called."""
     key = (head_dim, tile_size, key_bits, value_bits, iters)
     if key not in _COMMIT_VERDICTS:
         _COMMIT_VERDICTS[key] = _decide_commit(reference, key)
