@@ -286,6 +286,11 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
     t0 = time.perf_counter()
     engine = make_engine(loaded, cfg, kv, ApcConfig(enabled=False))
     entry["make_engine_s"] = time.perf_counter() - t0
+    if args.warm_up:  # as `kvarn serve` does on a GPU before it serves (engine/warm_up.py)
+        from engine.warm_up import warm_up
+
+        entry["warm_up"] = warm_up(engine, rows=args.warm_up).as_dict()
+        log(f"{arm} {depth}: warm-up {entry['warm_up']}")
     try:
         entry["kv"] = engine.describe_kv()
     except Exception:
@@ -584,6 +589,9 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,16,32")
     p.add_argument("--mlxlm", default="batch,stacked", help="mlx-lm cache variants (batch, stacked; '' for none)")
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per level")
+    p.add_argument("--warm-up", type=int, default=2, metavar="ROWS",
+                   help="engine/warm_up.py's workload with this many decode rows after each engine is made, as "
+                        "kvarn serve runs it on a GPU (0: none, as before session 23)")
     p.add_argument("--warm", type=int, default=3, help="untimed decode steps per level (the last records the graph)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (the engine's prefill_chunk_size)")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds from start; later cells are skipped")

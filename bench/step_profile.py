@@ -121,6 +121,14 @@ def run(args) -> dict:
     log(f"{args.arm}: model built")
     engine = make_engine(loaded, cfg, kv, ApcConfig(enabled=False))
     log(f"{args.arm}: engine made")
+    warm = None
+    if args.warm_up:
+        from engine.warm_up import warm_up
+
+        rep = warm_up(engine, rows=args.warm_up)
+        warm = rep.as_dict() | {"step_seconds": [round(t, 4) for t in rep.step_seconds]}
+        log(f"{args.arm}: warm-up {rep.as_dict()}; slowest steps "
+            f"{sorted((round(t, 3) for t in rep.step_seconds), reverse=True)[:6]}")
     rng = random.Random(7)
     # tokens each level decodes at most: three modes (each up to a tile and 6 steps) and the commits; no more,
     # since admission reserves every row's prompt + max_tokens (a larger one keeps rows out for good)
@@ -170,7 +178,7 @@ def run(args) -> dict:
         rounds.append({"prefill_s": prefill_s, "tok_per_s": C * P / prefill_s, "steps": prefill})
     phases = Phases()
     phases.install()
-    report: dict[str, Any] = {"arm": args.arm, "depth": args.depth, "prompt_tokens": P, "rows": C,
+    report: dict[str, Any] = {"arm": args.arm, "depth": args.depth, "prompt_tokens": P, "rows": C, "warm_up": warm,
                               "weights_bytes": weights, "prefill_s": rounds[0]["prefill_s"],
                               "prefill_steps": rounds[0]["steps"], "prefill_rounds": rounds, "levels": []}
     alive = list(reqs)
@@ -276,6 +284,8 @@ def main() -> int:
     p.add_argument("--kv-budget-gb", type=float, default=100.0)
     p.add_argument("--prefill-rounds", type=int, default=1,
                    help="prefill C new prompts this many times (round 2 on: every shape seen before)")
+    p.add_argument("--warm-up", type=int, default=0, metavar="ROWS",
+                   help="run engine/warm_up.py's workload with this many decode rows before the prompts (0: none)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)

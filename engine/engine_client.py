@@ -43,6 +43,8 @@ class EngineConfig:
     max_queue: int = 1024  # requests waiting for admission beyond this are refused (429)
     # special-token text typed in chat message content is parsed as control tokens (engine/chat_prompt.py)
     parse_special: bool = False
+    # run engine/warm_up.py's workload before serving (None: where MLX's default device is a GPU)
+    warm_up: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -296,6 +298,11 @@ class EngineClient:
                 kv = replace(kv, max_kv_size=window)  # the advice picks the layout; the window stays the flag's
                 logger.info("KV layout by kvarn advise: %s (%s)", chosen["arm"], chosen["source"])
             engine = make_engine(loaded, self.config.scheduler, kv, self.config.apc)
+            from engine.warm_up import on_gpu, warm_up
+
+            if self.config.warm_up or (self.config.warm_up is None and on_gpu()):
+                report = warm_up(engine)
+                logger.info("warm-up: %s", report.as_dict() if report.ran else f"skipped ({report.reason})")
             self._tokenizer = loaded.tokenizer
             self._compiler = ConstraintCompiler(loaded.tokenizer, loaded.vocab_size)
             self._cost, self._budget = engine.cost_alone, engine.kv_budget_bytes

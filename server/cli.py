@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "the exact bytes of prompt + max_tokens (blocks shared through the prefix cache "
                             "counted once); the prefix cache keeps what running requests leave of it and gives "
                             "it back when a request needs the room")
+    serve.add_argument("--warm-up", choices=("auto", "on", "off"), default="auto",
+                       help="run a short synthetic workload before serving (a batch of rows decoding and "
+                            "committing a tile beside a prompt chunk), so the first users do not wait while a "
+                            "GPU backend builds its kernels; auto: on where MLX runs on a GPU (default: "
+                            "%(default)s)")
     serve.add_argument("--max-queue", type=int, default=1024,
                        help="requests waiting for admission beyond this are refused with 429 and Retry-After "
                             "(default: %(default)s)")
@@ -330,7 +335,8 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     return ServerConfig(
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
                             scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue,
-                            parse_special=args.parse_special_tokens),
+                            parse_special=args.parse_special_tokens,
+                            warm_up={"auto": None, "on": True, "off": False}[args.warm_up]),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         allowed_origins=tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()),
