@@ -75,9 +75,10 @@ def device_table(out_path: str | None) -> None:
     layout = KVLayout.kvarn("k4v2")
     say = lambda *a: print(*a, flush=True)  # noqa: E731 - a run cut short keeps what it printed
     say(f"device {mx.default_device()}; one layer, {H} KV heads, D = G = {D}, k4v2")
-    say("| tiles | quantize_blocks | kernel (8 rows/thread) | kernel (4 rows/thread) | ratio (best kernel) | "
-        "code words differing | factors differing | first calls (JIT): reference, kernel |")
-    say("|---|---|---|---|---|---|---|---|")
+    say("| tiles | quantize_blocks | kernel (8 rows/thread) | kernel (4 rows/thread) | kernel (4 rows, IEEE "
+        "divisions) | ratio (best kernel) | code words differing | factors differing | same bytes as IEEE "
+        "divisions | first calls (JIT): reference, kernel |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for n in (32, 1):
         k1, k2 = mx.random.split(mx.random.key(n))
@@ -95,18 +96,28 @@ def device_table(out_path: str | None) -> None:
         factors = sum(int((np.array(got[f]) != np.array(ref[f])).sum()) for f in got if not f.endswith("codes"))
         t_ref = timed(lambda: list(quantize_blocks(keys, values, layout).values()), 5, 7)
         t_k = {}
-        for r in (8, 4):
+        for r, mk in ((8, 1), (4, 1), (4, 0)):
+            C.RECIPROCAL_DIVISION = mk
             try:
-                t_k[r] = timed(lambda: list(C.quantize_tiles(keys=keys, values=values, key_bits=kb, value_bits=vb,
-                                                             iters=layout.iters, rows=r).values()), 20, 7)
+                t_k[(r, mk)] = timed(lambda: list(C.quantize_tiles(keys=keys, values=values, key_bits=kb,
+                                                                   value_bits=vb, iters=layout.iters,
+                                                                   rows=r).values()), 20, 7)
             except Exception as exc:  # noqa: BLE001 - a launch failure of one variant is a result too
-                say(f"rows={r}: {exc}")
-                t_k[r] = float("nan")
+                say(f"rows={r} mk={mk}: {exc}")
+                t_k[(r, mk)] = float("nan")
+            finally:
+                C.RECIPROCAL_DIVISION = 1
+        C.RECIPROCAL_DIVISION = 0
+        old = C.quantize_tiles(keys=keys, values=values, key_bits=kb, value_bits=vb, iters=layout.iters)
+        C.RECIPROCAL_DIVISION = 1
+        same_as_ieee = all(bool(mx.array_equal(old[f], got[f]).item()) for f in got)
         best = min(v for v in t_k.values() if v == v)
-        say(f"| {n} | {t_ref * 1e3:.3f} ms | {t_k[8] * 1e3:.3f} ms | {t_k[4] * 1e3:.3f} ms | {t_ref / best:.1f}x | "
-            f"{codes} | {factors} | {t1 - t0:.1f} s, {t2 - t1:.1f} s |")
-        rows.append({"tiles": n, "reference_ms": t_ref * 1e3, "kernel_rows8_ms": t_k[8] * 1e3,
-                     "kernel_rows4_ms": t_k[4] * 1e3, "speedup": t_ref / best, "code_words_differing": codes,
+        say(f"| {n} | {t_ref * 1e3:.3f} ms | {t_k[(8, 1)] * 1e3:.3f} ms | {t_k[(4, 1)] * 1e3:.3f} ms | "
+            f"{t_k[(4, 0)] * 1e3:.3f} ms | {t_ref / best:.1f}x | {codes} | {factors} | {same_as_ieee} | "
+            f"{t1 - t0:.1f} s, {t2 - t1:.1f} s |")
+        rows.append({"tiles": n, "reference_ms": t_ref * 1e3, "kernel_rows8_ms": t_k[(8, 1)] * 1e3,
+                     "kernel_rows4_ms": t_k[(4, 1)] * 1e3, "kernel_rows4_ieee_div_ms": t_k[(4, 0)] * 1e3,
+                     "bytes_equal_to_ieee_div": same_as_ieee, "speedup": t_ref / best, "code_words_differing": codes,
                      "factors_differing": factors, "first_call_reference_s": t1 - t0, "first_call_kernel_s": t2 - t1})
 
     def reference(*, keys, values, key_bits, value_bits, iters):

@@ -1,4 +1,4 @@
-"""Compile the paged decode kernels' CUDA source the way MLX's ``mx.fast.cuda_kernel`` wraps it
+"""Compile the paged decode and tile commit kernels' CUDA source the way MLX's ``mx.fast.cuda_kernel`` wraps it
 (header, ``__global__`` signature from the input names, template constants, body) with nvcc for
 sm_90a, and print ptxas's resource report (registers, spills, stack) per configuration; with
 ``--sass DIR`` also keep the cubins and their SASS (needs cuobjdump). Needs nvcc, no GPU.
@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from metal.paged_decode import ATTENTION_INPUTS, ATTENTION_OUTPUTS  # noqa: E402
 from metal.paged_decode_mma import MMA_HEADER, MMA_SOURCE  # noqa: E402
 from metal.paged_decode_source import ATTENTION_SOURCE, HEADER  # noqa: E402
+from metal.commit import INPUTS as COMMIT_INPUTS, RECORD_FIELDS  # noqa: E402
+from metal.commit_source import HEADER as COMMIT_HEADER, SOURCE as COMMIT_SOURCE  # noqa: E402
 
 PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
 TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "uint32_t", "int32": "int32_t"}
@@ -30,6 +32,12 @@ INPUT_TYPES = ["QT", "WT", "WT", "float16", "uint32", "float16", "float16", "flo
 
 
 def source(kind: str, template: dict) -> str:
+    if kind == "commit":
+        ins = [f"    const {TYPES[t]}* {n}" for n, t in zip(COMMIT_INPUTS, ("float16", "float16", "int32", "int32"))]
+        outs = [f"    {'uint32_t' if n.endswith('codes') else '__half'}* {n}" for n in RECORD_FIELDS]
+        consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
+        return (PRELUDE + COMMIT_HEADER + "\nnamespace mlx { namespace core { namespace cu {\n__global__ void kernel(\n"
+                + ",\n".join(ins + outs) + ") {\n" + consts + COMMIT_SOURCE + "\n}\n}}}\n")
     ins = []
     for name, ty in zip(ATTENTION_INPUTS, INPUT_TYPES):
         ty = TYPES[template[ty]] if ty in ("QT", "WT") else TYPES[ty]
@@ -76,14 +84,21 @@ CONFIGS = [
     ("mma", dict(QT="float16", WT="float16", D=128, G=64, KB=4, VB=4, NR=2, NST=2, FK=0, FV=0, FINAL=0)),
     ("mma", dict(QT="float16", WT="float32", D=128, G=64, KB=8, VB=2, NR=1, NST=2, FK=0, FV=0, FINAL=0)),
     ("scalar", dict(QT="float16", WT="float16", D=128, G=128, KB=4, VB=2, NR=4)),
+    ("commit", dict(G=128, D=128, ITERS=8, ROWS=4, WIN=1, NH=8, MK=1)),
+    ("commit", dict(G=128, D=128, ITERS=8, ROWS=4, WIN=1, NH=8, MK=0)),
+    ("commit", dict(G=128, D=128, ITERS=8, ROWS=4, WIN=0, NH=1, MK=1)),
+    ("commit", dict(G=128, D=128, ITERS=8, ROWS=8, WIN=0, NH=1, MK=1)),
 ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sass", type=Path, default=None)
+    ap.add_argument("--only", default=None, help="only configurations of this kind (mma, scalar, commit)")
     args = ap.parse_args()
     for kind, template in CONFIGS:
+        if args.only and kind != args.only:
+            continue
         tag = " ".join(f"{k}={v}" for k, v in template.items())
         print(f"{kind:6s} {tag}: {compile_one(kind, template, args.sass)}", flush=True)
 

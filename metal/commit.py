@@ -28,7 +28,8 @@ float noise of a rounding boundary: tests/metal/test_commit.py counts them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import mlx.core as mx
@@ -36,11 +37,14 @@ import mlx.core as mx
 from metal.commit_source import HEADER, SOURCE
 from metal.paged_decode import minify
 
+log = logging.getLogger(__name__)
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_TILE_SIZES = (64, 128)
 DEFAULT_ROWS = 4  # rows a thread holds: 1,024 threads a block at G = W = 128 (H200, 32 tiles of one layer:
                   # 0.40 ms against 0.51 at 8 rows; 1 tile: 0.056 against 0.063 ms; bench/commit_cost.py)
+RECIPROCAL_DIVISION = 1  # MK: the kernel divides through reciprocals (kc_divr: the same IEEE quotients, fewer
+                         # instructions); 0: __fdiv_rn as before (bench/commit_cost.py times both)
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
 INPUTS = ["keys", "values", "bits", "slots"]
 
@@ -53,7 +57,7 @@ def shared_bytes(head_dim: int, tile_size: int) -> int:
     """Dynamic shared memory of one block (``KcSmem`` in the source)."""
     G, W = tile_size, min(head_dim, 128)
     cm = max(G, W)
-    return _round16(2 * max(W * (G + 2), G * (W + 2))) + _round16(4 * 32 * (cm + 1)) + 5 * 4 * cm
+    return _round16(2 * max(W * (G + 2), G * (W + 2))) + _round16(4 * 32 * (cm + 1)) + 7 * 4 * cm
 
 
 def is_supported(*, head_dim: int, tile_size: int, key_bits: int, value_bits: int) -> bool:
@@ -116,7 +120,7 @@ def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: i
         (n,), (_, H, G2, D) = slots.shape, keys.shape
         G = G2 // 2
     template, grid, threadgroup, shapes, dtypes = _launch_shape(n, H, G, D, key_bits, value_bits, iters, rows,
-                                                                slots is not None)
+                                                                slots is not None, RECIPROCAL_DIVISION)
     return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits),
                           _no_slots() if slots is None else slots],
                   template=list(template), grid=grid, threadgroup=threadgroup, output_shapes=list(shapes),
@@ -125,9 +129,10 @@ def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: i
 
 @lru_cache(maxsize=256)
 def _launch_shape(n: int, H: int, G: int, D: int, key_bits: int, value_bits: int, iters: int, rows: int,
-                  window: bool) -> tuple:
+                  window: bool, mk: int = 1) -> tuple:
     """A launch's template, grid and outputs, made once per shape (a decode step asks once a layer)."""
-    template = (("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows), ("WIN", int(window)), ("NH", H if window else 1))
+    template = (("G", G), ("D", D), ("ITERS", iters), ("ROWS", rows), ("WIN", int(window)), ("NH", H if window else 1),
+                ("MK", int(mk)))
     W = min(D, 128)
     threads = G * W // (4 * rows)
     shapes = output_shapes(n, H, G, D, key_bits, value_bits)
@@ -182,7 +187,49 @@ def quantize_window_tails(*, win_k: mx.array, win_v: mx.array, slots: mx.array, 
     return _launch(commit_launch(win_k, win_v, key_bits, value_bits, iters, rows, slots=slots), D, G)
 
 
+_LAUNCHES: dict[tuple, bool] = {}
+
+
+def _launches(call: Launch, D: int, G: int) -> bool:
+    """Whether blocks of this launch's template and size start on this device (decided once per
+    template by one small launch). The driver compiles the kernel's PTX itself, and where it needs
+    more than 64 registers a thread (nvcc here gives 60 at 4 rows a thread), a 1,024-thread block
+    cannot start ("too many resources requested for launch")."""
+    key = (tuple(call.template), call.threadgroup)
+    if key not in _LAUNCHES:
+        t = dict(call.template)
+        heads = t["NH"] if t["WIN"] else 1  # one tile: of window 1 of two (WIN = 1), else of one head
+        shape = (2, heads, 2 * G, D) if t["WIN"] else (1, 1, G, D)
+        slots = mx.ones((1,), mx.int32) if t["WIN"] else call.inputs[3]
+        probe = replace(call, inputs=[mx.zeros(shape, mx.float16), mx.zeros(shape, mx.float16), call.inputs[2], slots],
+                        grid=(heads * (D // min(D, 128)) * call.threadgroup[0], 2, 1),
+                        output_shapes=list(output_shapes(1, heads, G, D, *[int(b) for b in call.inputs[2].tolist()])
+                                           .values()))
+        try:
+            mx.eval(_run(probe, D, G))
+            _LAUNCHES[key] = True
+        except RuntimeError as exc:
+            log.warning("kvarn: the commit kernel's %d-thread blocks do not start here (%s); using 8 rows a thread",
+                        call.threadgroup[0], exc)
+            _LAUNCHES[key] = False
+    return _LAUNCHES[key]
+
+
 def _launch(call: Launch, D: int, G: int) -> dict[str, mx.array]:
+    if call.threadgroup[0] > 512 and not _launches(call, D, G):
+        call = _with_rows(call, 8, D, G)
+    return _run(call, D, G)
+
+
+def _with_rows(call: Launch, rows: int, D: int, G: int) -> Launch:
+    template = [(k, rows if k == "ROWS" else v) for k, v in call.template]
+    threads = G * min(D, 128) // (4 * rows)
+    blocks = call.grid[0] // call.threadgroup[0]
+    return replace(call, template=template, grid=(blocks * threads, call.grid[1], call.grid[2]),
+                   threadgroup=(threads, 1, 1))
+
+
+def _run(call: Launch, D: int, G: int) -> dict[str, mx.array]:
     outs = _kernel(shared_bytes(D, G))(
         inputs=call.inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
         output_shapes=call.output_shapes, output_dtypes=call.output_dtypes)

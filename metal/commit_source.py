@@ -21,12 +21,32 @@ HEADER = r"""
 #define KC_ADD(a, b) __fadd_rn(a, b)
 #define KC_SUB(a, b) __fsub_rn(a, b)
 #define KC_DIV(a, b) __fdiv_rn(a, b)
+#define KC_FMA(a, b, c) __fmaf_rn(a, b, c)
+#define KC_RCP(a) __frcp_rn(a)
 #else
 #define KC_MUL(a, b) ((a) * (b))
 #define KC_ADD(a, b) ((a) + (b))
 #define KC_SUB(a, b) ((a) - (b))
 #define KC_DIV(a, b) ((a) / (b))
+#define KC_FMA(a, b, c) std::fmaf(a, b, c)
+#define KC_RCP(a) (1.0f / (a))
 #endif
+
+// x / y correctly rounded, given r = RN(1 / y): q = RN(x r) is within an ulp of x / y, the remainder
+// x - q y is exact in one fused multiply-add, and RN(q + r (x - q y)) is RN(x / y) (Markstein's
+// theorem; it needs no overflow or underflow, which the kernel's ranges exclude: |x| <= 65504 over
+// y >= exp(-0.3), or a row's range over a step >= 1e-10). Three operations where an IEEE division
+// (__fdiv_rn) is about ten; the reciprocal is made once per row or column. A zero quotient keeps
+// the sign of x r, as the division gives it. MK = 0 (a template knob) divides as before.
+template <int MK>
+__device__ __forceinline__ float kc_divr(float x, float y, float r) {
+  if (!MK) return KC_DIV(x, y);
+  const float q = KC_MUL(x, r);
+  if (q == 0.0f) return q;
+  return KC_FMA(KC_FMA(-q, y, x), r, q);
+}
+template <int MK>
+__device__ __forceinline__ float kc_rcp(float y) { return MK ? KC_RCP(y) : 1.0f; }
 
 // float32 constants as MLX makes them from kvarn/quantize.py's Python floats (double -> float)
 #define KC_STD_MIN ((float)1e-3)
@@ -106,7 +126,7 @@ __device__ __forceinline__ float kc_imbalance(const float* cstd, const float* rs
 
 // Shared memory (bytes), the same for K and V blocks: the staged matrix (halves, rows padded by 2),
 // the column partials (32 x (CM + 1) floats; later the codes, one byte each), then CM floats each
-// of lc, ec, best lc, column stats, and the row stds.
+// of lc, ec, best lc, column stats, the row stds, the reciprocals of ec and the best row factors.
 template <int G, int W>
 struct KcSmem {
   static constexpr int CM = G > W ? G : W;
@@ -114,7 +134,7 @@ struct KcSmem {
   static constexpr int MS = ((2 * (MS_A > MS_B ? MS_A : MS_B) + 15) / 16) * 16;
   static constexpr int P = ((4 * 32 * (CM + 1) + 15) / 16) * 16;
   static constexpr int VEC = 4 * CM;
-  static constexpr int TOTAL = MS + P + 5 * VEC;
+  static constexpr int TOTAL = MS + P + 7 * VEC;
 };
 
 // Quantize the R x C matrix of one block. src: the tile slice (G tokens x W channels, row
@@ -122,7 +142,7 @@ struct KcSmem {
 // first column and row stds are summed in the orders MLX uses for the transposed view of a
 // K tile quantized on its own (kvarn.quantize.quantize_keys, G != W): column means by rows of
 // the view's memory, column squares by columns; row means by columns, row squares by rows.
-template <int R, int C, int ITERS, int ROWS, bool KEYS, bool SPECIAL, int G, int W>
+template <int R, int C, int ITERS, int ROWS, bool KEYS, bool SPECIAL, int G, int W, int MK>
 __device__ void kc_matrix(const __half* src, int src_stride, unsigned char* smem, int B, unsigned int* codes,
                           int code_stride, __half* alpha, __half* beta, int fstride, __half* colf) {
   using L = KcSmem<G, W>;
@@ -147,6 +167,8 @@ __device__ void kc_matrix(const __half* src, int src_stride, unsigned char* smem
   float* blc = ec + L::CM;
   float* cst = blc + L::CM;              // column means, then column stds
   float* rst = cst + L::CM;              // row stds
+  float* rc = rst + L::CM;               // RN(1 / ec) (MK)
+  float* sblr = rc + L::CM;              // the best iterate's row factors
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int u = warp * RPP + lane / LPR; // row unit
@@ -168,8 +190,11 @@ __device__ void kc_matrix(const __half* src, int src_stride, unsigned char* smem
   __syncthreads();
 
   float b[NR][4];
-  float lr[NR], blr[NR];
-  for (int j = 0; j < NR; ++j) { lr[j] = 0.0f; blr[j] = 0.0f; }
+  float lr[NR];  // the best iterate's row factors are kept in shared memory (sblr): fewer registers
+  for (int j = 0; j < NR; ++j) {
+    lr[j] = 0.0f;
+    if (cl == 0) sblr[u * TPU + j / KR + 32 * (j % KR)] = 0.0f;
+  }
 
   // column stds of b into cst (block collective; leaves cst valid after its last barrier)
   auto col_std = [&]() {
@@ -252,19 +277,21 @@ __device__ void kc_matrix(const __half* src, int src_stride, unsigned char* smem
       const float l = kc_step(lc[tid], cst[tid]);
       lc[tid] = l;
       ec[tid] = expf(l);
+      if (MK) rc[tid] = kc_rcp<MK>(ec[tid]);
     }
     __syncthreads();
-    float e[4];
-    kc_load4(ec + c0, e);
+    float e[4], re[4];
+    if (!MK) kc_load4(ec + c0, e);
     for (int j = 0; j < NR; ++j) {
       const int r = u * TPU + j / KR + 32 * (j % KR);
       float x[4], t[4], b1[4];
+      if (MK) { kc_load4(ec + c0, e); kc_load4(rc + c0, re); }  // per row: fewer registers live across the loop
       kc_load4(Ms + r * MS + c0, x);
-      const float er0 = expf(lr[j]);
-      for (int i = 0; i < 4; ++i) { t[i] = KC_DIV(x[i], e[i]); b1[i] = KC_DIV(t[i], er0); }
+      const float er0 = expf(lr[j]), rr0 = kc_rcp<MK>(er0);
+      for (int i = 0; i < 4; ++i) { t[i] = kc_divr<MK>(x[i], e[i], re[i]); b1[i] = kc_divr<MK>(t[i], er0, rr0); }
       lr[j] = kc_step(lr[j], kc_row_std<C>(b1));
-      const float er1 = expf(lr[j]);
-      for (int i = 0; i < 4; ++i) b[j][i] = KC_DIV(t[i], er1);
+      const float er1 = expf(lr[j]), rr1 = kc_rcp<MK>(er1);
+      for (int i = 0; i < 4; ++i) b[j][i] = kc_divr<MK>(t[i], er1, rr1);
       const float sd = kc_row_std<C>(b[j]);
       if (cl == 0) rst[r] = sd;
     }
@@ -272,30 +299,34 @@ __device__ void kc_matrix(const __half* src, int src_stride, unsigned char* smem
     const float imb = kc_imbalance<R, C>(cst, rst, lane);
     if (imb <= best) {  // ties go to the later iterate
       best = imb;
-      for (int j = 0; j < NR; ++j) blr[j] = lr[j];
+      if (cl == 0)
+        for (int j = 0; j < NR; ++j) sblr[u * TPU + j / KR + 32 * (j % KR)] = lr[j];
       if (tid < C) blc[tid] = lc[tid];
     }
   }
   __syncthreads();
 
   // round the best iterate's balanced rows (min/max RTN), absorb, then pack
-  float e[4];
-  for (int i = 0; i < 4; ++i) e[i] = expf(blc[c0 + i]);
+  if (MK && tid < C) { ec[tid] = expf(blc[tid]); rc[tid] = kc_rcp<MK>(ec[tid]); }
+  if (MK) __syncthreads();
+  float e[4], re[4];
+  if (!MK) for (int i = 0; i < 4; ++i) e[i] = expf(blc[c0 + i]);
   for (int j = 0; j < NR; ++j) {
     const int r = u * TPU + j / KR + 32 * (j % KR);
     float x[4];
+    if (MK) { kc_load4(ec + c0, e); kc_load4(rc + c0, re); }
     kc_load4(Ms + r * MS + c0, x);
-    const float er = expf(blr[j]);
+    const float er = expf(sblr[r]), rr = kc_rcp<MK>(er);
     float lo, hi;
     for (int i = 0; i < 4; ++i) {
-      b[j][i] = KC_DIV(KC_DIV(x[i], e[i]), er);
+      b[j][i] = kc_divr<MK>(kc_divr<MK>(x[i], e[i], re[i]), er, rr);
       lo = i ? kc_min(lo, b[j][i]) : b[j][i];
       hi = i ? kc_max(hi, b[j][i]) : b[j][i];
     }
     lo = kc_bmin<LPR>(lo);
     hi = kc_bmax<LPR>(hi);
-    const float step = kc_max(KC_DIV(KC_SUB(hi, lo), LEVELS), KC_STEP_MIN);
-    for (int i = 0; i < 4; ++i) b[j][i] = kc_clip(rintf(KC_DIV(KC_SUB(b[j][i], lo), step)), 0.0f, LEVELS);
+    const float step = kc_max(KC_DIV(KC_SUB(hi, lo), LEVELS), KC_STEP_MIN), rs = kc_rcp<MK>(step);
+    for (int i = 0; i < 4; ++i) b[j][i] = kc_clip(rintf(kc_divr<MK>(KC_SUB(b[j][i], lo), step, rs)), 0.0f, LEVELS);
     if (cl == 0) {
       alpha[r * fstride] = __float2half_rn(KC_MUL(er, step));
       beta[r * fstride] = __float2half_rn(KC_MUL(er, lo));
@@ -322,7 +353,8 @@ __device__ void kc_matrix(const __half* src, int src_stride, unsigned char* smem
 }
 """
 
-# Template arguments: G (tile), D (head_dim), ITERS, ROWS (rows per thread), WIN and NH; the bits
+# Template arguments: G (tile), D (head_dim), ITERS, ROWS (rows per thread), WIN, NH and MK (divisions by a
+# row's or column's factor through its reciprocal: ``kc_divr``); the bits
 # are an input (bits = [key_bits, value_bits], int32), so one compile serves every width.
 # WIN = 0: inputs keys/values [n, H, G, D] float16 (NH = 1, ``slots`` unread). WIN = 1: keys/values
 # are a pool's window buffers [Nw, NH, 2G, D] float16 and tile t is the tail (positions G .. 2G-1)
@@ -338,11 +370,11 @@ SOURCE = r"""
                         : (long)th * G * D + s * W;
   const int KB = bits[0], VB = bits[1];
   if (blockIdx.y == 0) {
-    kc_matrix<W, G, ITERS, ROWS, true, (G != W), G, W>(
+    kc_matrix<W, G, ITERS, ROWS, true, (G != W), G, W, MK>(
         keys + base, D, smem_raw, KB, k_codes + mat * W * (G * KB / 32), G * KB / 32,
         k_alpha + mat * W, k_beta + mat * W, 1, k_r + mat * G);
   } else {
-    kc_matrix<G, W, ITERS, ROWS, false, false, G, W>(
+    kc_matrix<G, W, ITERS, ROWS, false, false, G, W, MK>(
         values + base, D, smem_raw, VB, v_codes + th * G * (D * VB / 32) + s * (W * VB / 32), D * VB / 32,
         v_alpha + th * G * S + s, v_beta + th * G * S + s, S, v_c + th * D + s * W);
   }

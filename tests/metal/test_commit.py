@@ -176,11 +176,12 @@ def emulated_quantize_tiles(keys: mx.array, values: mx.array, kb: int, vb: int, 
 
 # (G, D, kb, vb, n, H[, rows]): every G/W pairing once (G != W takes the K path's SPECIAL first stds)
 EMULATED = [(64, 64, 4, 2, 2, 1), (128, 128, 4, 2, 1, 1), (64, 128, 2, 5, 1, 1), (64, 256, 8, 3, 1, 1),
-            (128, 64, 6, 4, 1, 1, 4)]
+            (128, 64, 6, 4, 1, 1, 4), (128, 128, 4, 2, 1, 1, 8)]  # 8 rows: the launch of blocks that fit any driver
 
 
 @needs_gxx
-@pytest.mark.parametrize("case", EMULATED, ids=lambda c: "G{}-D{}-k{}v{}-n{}-H{}".format(*c[:6]))
+@pytest.mark.parametrize("case", EMULATED, ids=lambda c: "G{}-D{}-k{}v{}-n{}-H{}".format(*c[:6])
+                         + (f"-rows{c[6]}" if len(c) > 6 else ""))
 def test_emulated_kernel_matches_quantize_blocks(case):
     G, D, kb, vb, n, H = case[:6]
     rows = case[6] if len(case) > 6 else C.DEFAULT_ROWS
@@ -213,6 +214,45 @@ def test_emulated_window_tails_match_quantize_blocks(case):
     win_k, win_v = windows_holding(keys, values, slots, num_windows=max(slots) + 2)
     got = emulated_quantize_tiles(win_k, win_v, kb, vb, C.DEFAULT_ROWS, slots=mx.array(slots, dtype=mx.int32))
     compare(got, reference(keys=keys, values=values, key_bits=kb, value_bits=vb), keys, values, kb, vb)
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_the_eight_row_fallback_is_the_eight_row_launch(window):
+    """A launch re-cut to 8 rows a thread (``_with_rows``) is the one ``commit_launch`` makes for
+    8 rows: template, grid, block and outputs."""
+    keys, values = make_tiles(3, 2, 128, 128, seed=1)
+    slots = None
+    if window:
+        keys, values = windows_holding(keys, values, [2, 0, 3], num_windows=5)
+        slots = mx.array([2, 0, 3], dtype=mx.int32)
+    four = C.commit_launch(keys, values, 4, 2, ITERS, 4, slots=slots)
+    eight = C.commit_launch(keys, values, 4, 2, ITERS, 8, slots=slots)
+    got = C._with_rows(four, 8, 128, 128)
+    assert four.threadgroup == (1024, 1, 1) and got.threadgroup == eight.threadgroup == (512, 1, 1)
+    assert (got.template, got.grid, got.output_shapes) == (eight.template, eight.grid, eight.output_shapes)
+
+
+def test_blocks_that_do_not_start_fall_back_to_eight_rows(monkeypatch):
+    """Where the driver's compile of the 1,024-thread template needs too many registers (its one
+    probe launch raises), commits run at 8 rows a thread; the probe runs once per template."""
+    runs = []
+
+    def run(call, D, G):
+        runs.append(call)
+        if call.threadgroup[0] > 512:
+            raise RuntimeError("too many resources requested for launch")
+        return {name: mx.zeros((1,)) for name in RECORD_FIELDS}
+
+    monkeypatch.setattr(C, "_run", run)
+    monkeypatch.setattr(C, "_LAUNCHES", {})
+    keys, values = make_tiles(2, 2, 128, 128, seed=2)
+    call = C.commit_launch(keys, values, 4, 2, ITERS, 4)
+    C._launch(call, 128, 128)
+    C._launch(call, 128, 128)
+    probes = [c for c in runs if c.threadgroup[0] == 1024]
+    assert len(probes) == 1 and probes[0].grid == (1024, 2, 1)  # one tile of one head, K and V
+    assert [c.threadgroup[0] for c in runs[1:]] == [512, 512]
+    assert dict(runs[-1].template)["ROWS"] == 8 and runs[-1].grid == (2 * 2 * 512, 2, 1)
 
 
 def test_pool_window_tails_are_the_gathered_tails():
