@@ -102,7 +102,7 @@ BROKEN = minify(HEADER.replace("for (int m = L / 2; m > 0; m >>= 1) v = v + simd
 
 
 @needs_gxx
-def test_self_check_passes_on_the_body_and_fails_on_a_broken_one():
+def test_emulated_self_check_passes_on_the_body_and_fails_on_a_broken_one():
     """``metal.commit_self_check`` (what ``commit_path()`` runs on an Apple GPU) with the emulated
     Metal kernel: past the verdict's thresholds; with a broken butterfly it is below them, so the
     verdict would be the reference."""
@@ -115,7 +115,7 @@ def test_self_check_passes_on_the_body_and_fails_on_a_broken_one():
 
 
 @needs_gxx
-def test_contraction_does_not_move_a_byte():
+def test_emulated_contraction_does_not_move_a_byte():
     """Built with g++ allowed to fuse (-O2 -mfma -ffp-contract=fast), the body gives the bytes of
     its unfused build: ``kc_mul`` keeps every product out of reach of contraction. The control:
     the same body with a plain ``a * b`` in ``kc_mul`` does change a factor under contraction."""

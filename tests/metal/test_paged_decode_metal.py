@@ -128,7 +128,7 @@ def test_emulated_broken_bodies_are_caught(change):
 
 
 @needs_gxx
-def test_self_check_passes_on_the_body_and_fails_on_a_broken_one():
+def test_emulated_self_check_passes_on_the_body_and_fails_on_a_broken_one():
     """``metal._self_check`` (what ``attention_path()`` runs on an Apple GPU) with the emulated
     Metal body: within the tolerance; with value channels swapped: past it, so the verdict would
     be the reference. (The self-check's random records are small next to its windows: it passes
@@ -138,7 +138,7 @@ def test_self_check_passes_on_the_body_and_fails_on_a_broken_one():
 
 
 @needs_gxx
-def test_the_emulator_refuses_too_much_threadgroup_memory():
+def test_emulated_launch_refuses_too_much_threadgroup_memory():
     """The emulator enforces Apple's 32 KB: a body asking for more fails to launch."""
     case = make_case([1], n_kv_heads=1, n_rep=1, head_dim=64, tile_size=64, key_bits=4, value_bits=2)
     big = ATTENTION_SOURCE.replace("static_assert(TG * 4 <= 32768", "static_assert(true").replace(
