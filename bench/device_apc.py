@@ -38,8 +38,9 @@ class DiskHitParts:
     """Where a disk hit's time goes: the reader thread's ``DiskTier.get_many`` (files read and
     verified) and the engine thread's ``PoolTier.load`` (blocks into the pool)."""
 
-    def __init__(self, profile: bool = False) -> None:
+    def __init__(self, profile: bool = False, eval_load: bool = False) -> None:
         self.profile = profile
+        self.eval_load = eval_load  # evaluate the pool right after a load: its device work timed apart
         self.profiles: dict[str, str] = {}  # slot -> the top functions of its cProfile (``--profile``)
 
     def __enter__(self):
@@ -64,6 +65,10 @@ class DiskHitParts:
                 if prof is not None:
                     prof.disable()
                 self.seconds[slot] += time.perf_counter() - t
+                if slot == "load_into_pool" and self.eval_load:  # the load's lazy device work, on its own
+                    t = time.perf_counter()
+                    mx.eval([a for layer in args[0].pool.layers for a in layer.arrays()])
+                    self.seconds["load_eval"] = self.seconds.get("load_eval", 0.0) + time.perf_counter() - t
                 if prof is not None:
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
@@ -75,15 +80,22 @@ class DiskHitParts:
             setattr(cls, name, fn)
 
 
+STEPS: list[float] = []  # the wall seconds of each engine step of the last ``ttft`` call
+
+
 def ttft(engine, prompt: list[int], max_tokens: int = 1) -> tuple[float, list[int], int]:
-    """(seconds to the first token, greedy tokens, cached prompt tokens)."""
+    """(seconds to the first token, greedy tokens, cached prompt tokens); each step's wall time in ``STEPS``."""
     rid = RequestId(f"r{time.perf_counter_ns()}")
     request = Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     start = time.perf_counter()
     engine.add_request(request)
     first, cached = None, 0
+    STEPS.clear()
     while engine.has_work():
-        for out in engine.step():
+        t = time.perf_counter()
+        outs = engine.step()
+        STEPS.append(time.perf_counter() - t)
+        for out in outs:
             if out.request_id == rid and out.token_ids and first is None:
                 first = time.perf_counter() - start
             cached = out.num_cached_tokens
@@ -101,6 +113,8 @@ def main() -> None:
                         help="the bundled model's compute dtype (float16: weights dequantized, so no "
                              "quantized_matmul JIT compiles on a fresh GPU machine; native: its 8-bit weights)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of each disk hit's read and load")
+    parser.add_argument("--eval-load", action="store_true",
+                        help="evaluate the pool right after each disk hit's load (its device work as load_eval)")
     args = parser.parse_args()
     loaded = load_model(None, args.dtype)
     data = json.loads((Path(__file__).resolve().parents[1] / "engine/data/kld_prompts.json").read_text())
@@ -119,19 +133,23 @@ def main() -> None:
             engine = make_engine(loaded, CONFIG, kv, ApcConfig(disk_dir=folder, memory_bytes=2**30))
             ttft(engine, ids[-64:], 2)
             cold = [ttft(engine, p)[0] for p in prompts]
-            memory = []
+            memory, memory_steps = [], []
             agree = 0
             for p, w in zip(prompts, want):
-                memory += [ttft(engine, p)[0] for _ in range(args.repeats)]
+                for _ in range(args.repeats):
+                    memory.append(ttft(engine, p)[0])
+                    memory_steps.append([round(1e3 * t, 2) for t in STEPS])
                 got, cached = ttft(engine, p, 24)[1:]
                 agree += got == w
             engine.close()
             restarted = make_engine(loaded, CONFIG, kv, ApcConfig(disk_dir=folder, memory_bytes=2**30))
             ttft(restarted, ids[-64:], 2)
-            disk, disk_cached, parts = [], [], []
+            disk, disk_cached, parts, disk_steps, after = [], [], [], [], []
             for p in prompts:
-                with DiskHitParts(args.profile) as split:
+                with DiskHitParts(args.profile, args.eval_load) as split:
                     t, _, c = ttft(restarted, p)
+                disk_steps.append([round(1e3 * t, 2) for t in STEPS])
+                after.append(round(1e3 * ttft(restarted, p)[0], 2))  # the same prompt again: now a memory hit
                 disk.append(t)
                 disk_cached.append(c)
                 parts.append(split.seconds)
@@ -141,7 +159,9 @@ def main() -> None:
         row = {"cold_ms": 1e3 * statistics.median(cold), "memory_hit_ms": 1e3 * statistics.median(memory),
                "disk_hit_ms": 1e3 * statistics.median(disk), "cached_tokens": cached, "disk_cached_tokens": disk_cached,
                "greedy_equal_after_restore": f"{agree}/{len(prompts)}",
-               "disk_hit_parts_ms": [{k: 1e3 * v for k, v in p.items()} for p in parts]}
+               "disk_hit_parts_ms": [{k: 1e3 * v for k, v in p.items()} for p in parts],
+               "memory_hit_steps_ms": memory_steps, "disk_hit_steps_ms": disk_steps,
+               "memory_hit_after_restart_ms": after}
         row["memory_speedup"] = row["cold_ms"] / row["memory_hit_ms"]
         row["disk_speedup"] = row["cold_ms"] / row["disk_hit_ms"]
         results["arms"][name] = row

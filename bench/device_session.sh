@@ -86,7 +86,37 @@ case "${1:-}" in
     TAIL=3 step apc 80 python3 bench/device_apc.py --out "$OUT/device-apc-h200-s22d.json" --arms kvarn-k4v2,fp16 \
       --prompts 2 --repeats 3
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d" >&2; exit 2 ;;
+  s23a)  # session 23, first call: the commit kernel with reciprocal divisions (registers, GPU tests, cost,
+          # Nsight Compute), the engine's warm-up before the 32-row step profile, the disk hit step by step
+    LOGS=/tmp/steplogs; mkdir -p $LOGS
+    TAIL=8 step compile 60 python3 bench/kernel_compile.py --only commit --sass /tmp/sass
+    for f in /tmp/sass/commit-*.sass; do echo "$f $(grep -cE '^ +/\*[0-9a-f]{4}\*/' $f) instructions"; \
+      grep -oE 'MUFU\.[A-Z0-9]+|FFMA|FMUL|FADD|SHFL\.BFLY|BAR\.SYNC|CALL\.REL[A-Z.]*|LDS|STS' $f | sort | uniq -c \
+      | sort -rn | head -12 | tr '\n' ' '; echo; done > $LOGS/sass-counts.log 2>&1; cat $LOGS/sass-counts.log
+    TAIL=6 step commit-tests 130 python3 -m pytest -q -x -p no:cacheprovider tests/metal/test_commit.py -k "not emulated"
+    TAIL=8 step commit-cost 60 python3 bench/commit_cost.py --device --out "$OUT/commit-cost-h200-s23.json"
+    for mk in 1 0; do
+      TAIL=40 step ncu-commit-mk$mk 60 ncu --clock-control none --kernel-name regex:commit --launch-skip 2 \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
+        --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis \
+        python3 bench/commit_ncu_target.py $mk
+    done
+    TAIL=30 step sp-warm 200 python3 bench/step_profile.py --arm kvarn-k4v2 --depth 4096 --rows 32 --commits 2 \
+      --kv-budget-gb 40 --warm-up 2 --out "$OUT/step-profile-h200-s23-warm.json"
+    TAIL=4 step apc 90 python3 bench/device_apc.py --out "$OUT/device-apc-h200-s23.json" --arms kvarn-k4v2,fp16 \
+      --prompts 2 --repeats 3
+    cat $LOGS/*.log > "$OUT/logs.txt"
+    ;;
+  s23b)  # session 23, second call: the engine benchmark with the engine's warm-up (as kvarn serve runs it on
+          # a GPU) and the faster commit kernel; the disk hit with the load's device work timed apart
+    LOGS=/tmp/steplogs; mkdir -p $LOGS
+    TAIL=4 step apc 80 python3 bench/device_apc.py --out "$OUT/device-apc-h200-s23b.json" --arms kvarn-k4v2,fp16 \
+      --prompts 2 --repeats 3 --eval-load
+    TAIL=30 step engine 420 python3 bench/device_engine.py --out "$OUT/device-engine-h200-s23.json" \
+      --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency 1,32 --mlxlm stacked --chunk 2048 --time-budget 400
+    cat $LOGS/*.log > "$OUT/logs.txt"
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d|s23a|s23b" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"
