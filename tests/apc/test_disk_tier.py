@@ -169,15 +169,16 @@ def test_a_failing_disk_turns_the_tier_off_with_one_warning(tmp_path, monkeypatc
 
 def test_a_flip_of_any_byte_header_included_is_a_miss_removed_and_counted(tmp_path, tier):
     """The digest covers the whole file: one flipped bit at any of ~120 positions spread over the
-    magic, the header length, the JSON header (stamp, key, tokens, dtypes, shapes, offsets), the
-    payload and the digest itself is a miss, the file is removed and counted, and nothing raises."""
+    magic, the section lengths, the JSON header (stamp, key, tokens) and layout (dtypes, shapes,
+    offsets), the payload and the digest itself is a miss, the file is removed and counted, and
+    nothing raises."""
     _, blocks, keys = blocks_of_a_row(1)
     parts = to_parts(blocks[0].kind, blocks[0].arrays)
     tier.put(keys[0].key, keys[0].tokens, parts)
     tier.flush()
     path = tmp_path / "stamp" / (keys[0].hex + ".blk")
     pristine = path.read_bytes()
-    header_end = pristine.index(b"}]}") + 3
+    header_end = pristine.index(b"}]") + 2  # the end of the layout section (the header before it ends "]}")
     positions = sorted({*range(0, 14), *range(14, header_end, max(header_end // 60, 1)), header_end - 1,
                         *range(header_end, len(pristine), max((len(pristine) - header_end) // 40, 1)),
                         *range(len(pristine) - 16, len(pristine))})
@@ -215,22 +216,26 @@ def test_a_consistent_but_wrong_header_is_a_miss(tmp_path, tier):
     blob = path.read_bytes()
     (length,) = struct.unpack_from("<I", blob, len(MAGIC))
     start = len(MAGIC) + 4
-    header, payload = json.loads(blob[start: start + length]), blob[start + length: -DIGEST]
+    header, at = json.loads(blob[start: start + length]), start + length
+    (n,) = struct.unpack_from("<I", blob, at)
+    layout, payload = json.loads(blob[at + 4: at + 4 + n]), blob[at + 4 + n: -DIGEST]
 
     def rewritten(edit, extra: bytes = b"") -> bytes:
-        h = json.loads(json.dumps(header))
+        h = {"header": json.loads(json.dumps(header)), "parts": json.loads(json.dumps(layout))}
         edit(h)
-        text = json.dumps(h).encode()
-        body = MAGIC + struct.pack("<I", len(text)) + text + payload + extra
+        text, parts_text = json.dumps(h["header"]).encode(), json.dumps(h["parts"]).encode()
+        body = (MAGIC + struct.pack("<I", len(text)) + text + struct.pack("<I", len(parts_text)) + parts_text
+                + payload + extra)
         return body + digest(body)
 
     edits = {
         "reversed shape": lambda h: h["parts"][0].update(shape=h["parts"][0]["shape"][::-1] + [2]),
         "renamed field": lambda h: h["parts"][0].update(size=h["parts"][0].pop("nbytes")),
         "unknown dtype": lambda h: h["parts"][0].update(dtype="<f8"),
-        "other version": lambda h: h.update(version=VERSION + 1),
-        "no tokens": lambda h: h.pop("tokens"),
+        "other version": lambda h: h["header"].update(version=VERSION + 1),
+        "no tokens": lambda h: h["header"].pop("tokens"),
         "overlapping parts": lambda h: h["parts"][1].update(offset=0),
+        "layout not a list": lambda h: h.update(parts={"parts": h["parts"]}),
     }
     for name, edit in edits.items():
         path.write_bytes(rewritten(edit))
@@ -268,8 +273,11 @@ def test_get_many_reads_a_chain_in_order_up_to_its_first_miss(tmp_path, tier):
 
 
 def test_a_file_of_an_older_format_is_a_miss(tmp_path, tier):
-    """Format 2 (BLAKE2b digest, its own magic) is not read by format 3: a miss, removed."""
+    """Format 3 (the layout inside the header) and format 2 (BLAKE2b digest), each with its own
+    magic, are not read by format 4: a miss, removed, counted."""
     import hashlib
+    import json
+    import struct
 
     from apc.disk_tier import DIGEST, MAGIC
 
@@ -277,6 +285,19 @@ def test_a_file_of_an_older_format_is_a_miss(tmp_path, tier):
     tier.put(keys[0].key, keys[0].tokens, to_parts(blocks[0].kind, blocks[0].arrays))
     tier.flush()
     path = tmp_path / "stamp" / (keys[0].hex + ".blk")
+    blob = path.read_bytes()
+    (length,) = struct.unpack_from("<I", blob, len(MAGIC))
+    start = len(MAGIC) + 4
+    header, at = json.loads(blob[start: start + length]), start + length
+    (n,) = struct.unpack_from("<I", blob, at)
+    old = json.dumps(header | {"version": 3, "parts": json.loads(blob[at + 4: at + 4 + n])}).encode()
+    body = b"KVARNAPC3\n" + struct.pack("<I", len(old)) + old + blob[at + 4 + n: -DIGEST]
+    path.write_bytes(body + hashlib.sha256(body).digest()[:DIGEST])
+    assert tier.get(keys[0].key, keys[0].tokens) is None and not path.exists() and tier.stats.bad_files == 1
+    tier.put(keys[0].key, keys[0].tokens, to_parts(blocks[0].kind, blocks[0].arrays))
+    tier.flush()
     body = b"KVARNAPC2\n" + path.read_bytes()[len(MAGIC): -DIGEST]
     path.write_bytes(body + hashlib.blake2b(body, digest_size=DIGEST).digest())
-    assert tier.get(keys[0].key, keys[0].tokens) is None and not path.exists() and tier.stats.bad_files == 1
+    with tier._lock:
+        tier._index[keys[0].key] = (1, 0.0)
+    assert tier.get(keys[0].key, keys[0].tokens) is None and not path.exists() and tier.stats.bad_files == 2
