@@ -314,8 +314,20 @@ class KVarNPool:
     def write_records(self, l: int, blocks: Sequence[int] | mx.array, fields: dict[str, mx.array]) -> None:
         """Blocks ``blocks`` of layer ``l`` := ``fields`` (block-major, one entry per block); ``blocks``
         ids, or an int32 array of them (a decode step makes it once for all its layers)."""
-        ids = blocks if isinstance(blocks, mx.array) else mx.array(list(blocks), dtype=mx.int32)
         records = self.layers[l].records
+        if not isinstance(blocks, mx.array):
+            blocks = list(blocks)
+            if (blocks and blocks[-1] - blocks[0] == len(blocks) - 1 and mx.default_device().type == mx.DeviceType.cpu
+                    and blocks == list(range(blocks[0], blocks[-1] + 1))):
+                # consecutive ids (a fresh allocation, as a prompt chunk's or a disk read's usually is): one
+                # slice update a field, in place like the scatter and 7x cheaper on the CPU (MLX's CPU scatter
+                # computes an index per element: 11.6 of a 27-block disk load's 18 ms here); GPUs keep the
+                # scatter they were measured with
+                where = slice(blocks[0], blocks[-1] + 1)
+                for name in RECORD_FIELDS:
+                    records[name][where] = fields[name].astype(records[name].dtype)
+                return
+        ids = blocks if isinstance(blocks, mx.array) else mx.array(blocks, dtype=mx.int32)
         for name in RECORD_FIELDS:
             records[name][ids] = fields[name].astype(records[name].dtype)
 

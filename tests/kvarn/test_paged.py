@@ -307,6 +307,30 @@ def test_fork_of_a_short_row_fills_its_own_sink():
     assert child.layers[0].offset == 10 + G and child.layers[0].num_tiles == 0
 
 
+def test_record_writes_by_slice_and_by_scatter_leave_the_same_pool():
+    """Consecutive ids are written with one slice update a field on the CPU, others (and id
+    arrays, and every write on a GPU) with a scatter: the pools' bytes are the same either way,
+    and only the given blocks change."""
+    rng = np.random.default_rng(9)
+    k, v = kv(rng, 3 * G)
+    tiles = quantize_blocks(*(x.reshape(H, 3, G, D).transpose(1, 0, 2, 3).astype(mx.float16) for x in (k, v)), LAYOUT)
+    pools = []
+    for ids in ([2, 3, 4], mx.array([2, 3, 4], dtype=mx.int32), [4, 2, 6]):
+        pool = KVarNPool(LAYOUT, num_layers=1)
+        pool.ensure_layer(0, H, D)
+        pool.allocate("records", 7)
+        before = {n: np.array(a) for n, a in pool.layers[0].records.items()}
+        pool.write_records(0, ids, tiles)
+        got = {n: np.array(a) for n, a in pool.layers[0].records.items()}
+        rows = [int(i) for i in (ids.tolist() if isinstance(ids, mx.array) else ids)]
+        for n in got:
+            untouched = [i for i in range(got[n].shape[0]) if i not in rows]
+            assert np.array_equal(got[n][untouched], before[n][untouched]), n
+            assert np.array_equal(got[n][rows], np.array(tiles[n]).astype(got[n].dtype)), n
+        pools.append(got)
+    assert all(np.array_equal(pools[0][n], pools[1][n]) for n in pools[0])
+
+
 def test_pad_ids_are_never_handed_out():
     pool = KVarNPool(LAYOUT, num_layers=1)
     rows = [PagedRow(pool, [0]) for _ in range(9)]
