@@ -98,8 +98,6 @@ def warm_up(engine: Any, rows: int = 2, seed: int = 0) -> WarmUpReport:
             engine.step()
             report.step_seconds.append(time.perf_counter() - t)
             report.steps += 1
-            if long_added and long.is_finished and all(r.is_finished for r in shorts):
-                break
     except Exception as exc:  # noqa: BLE001 (a warm-up must never stop the server; requests will show any real fault)
         logger.warning("warm-up failed (%s); serving without it", exc, exc_info=True)
         report.ran, report.reason = False, f"failed: {exc}"

@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from metal.commit import RECORD_FIELDS, output_shapes
+from metal.commit import RECORD_FIELDS, _no_slots, output_shapes
 from metal.commit_metal_source import HEADER, SOURCE
 from metal.paged_decode import minify
 from metal.paged_decode_metal import COMPILE_OPTIONS, MAX_THREADGROUP_MEMORY, MetalLaunch
@@ -70,13 +70,6 @@ def _bits(key_bits: int, value_bits: int) -> mx.array:
     return _BITS[key]
 
 
-_NO_SLOTS: list[mx.array] = []
-
-
-def _no_slots() -> mx.array:
-    if not _NO_SLOTS:
-        _NO_SLOTS.append(mx.zeros((1,), dtype=mx.int32))
-    return _NO_SLOTS[0]
 
 
 @lru_cache(maxsize=256)
