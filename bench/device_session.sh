@@ -6,6 +6,7 @@
 #   bash bench/device_session.sh masked CHUNK  # session 19: chunk attention masked vs by tiles, the view's
 #                                              # GPU tests, the engine at c = 1 and 32 with prompt chunks of CHUNK
 #                                              # (WITH_APC=1: bench/device_apc.py before the engine; SKIP_CA=1: no chunk bench)
+#   bash bench/device_session.sh s24      # session 24: fp16 slots' flat scatter: GPU tests, engine, fp16 step profile
 #   bash bench/device_session.sh s22      # session 22: in-place commit A/B, prefill steps, disk hit, no CUDA graphs
 # Every call ends by packing MLX's compiled-kernel cache into $OUT (mlx-cuda-kit --ptx-cache takes it).
 # Each step has its own time limit; logs and JSON land in $OUT (fetched back by the device tool).
@@ -116,7 +117,18 @@ case "${1:-}" in
       --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency 1,32 --mlxlm stacked --chunk 2048 --time-budget 400
     cat $LOGS/*.log > "$OUT/logs.txt"
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d|s23a|s23b" >&2; exit 2 ;;
+  s24)  # session 24: the fp16 slots' flat scatter (fewer graph nodes a step): its GPU tests, the engine
+        # benchmark beside mlx-lm, and where an fp16 step's time goes
+    LOGS=/tmp/steplogs; mkdir -p $LOGS
+    TAIL=6 step slot-tests 150 python3 -m pytest -q -x -p no:cacheprovider -n 0 tests/kvarn/test_slots.py \
+      tests/metal/test_ragged_decode.py tests/engine/test_batching.py -k "not emulated"
+    TAIL=30 step engine 420 python3 bench/device_engine.py --out "$OUT/device-engine-h200-s24.json" \
+      --arms kvarn-k4v2,fp16 --depths 4096,16384 --concurrency 1,32 --mlxlm stacked --chunk 2048 --time-budget 400
+    TAIL=20 step sp-fp16 150 python3 bench/step_profile.py --arm fp16 --depth 4096 --rows 32 --commits 0 \
+      --kv-budget-gb 40 --warm-up 2 --out "$OUT/step-profile-h200-s24-fp16.json"
+    cat $LOGS/*.log > "$OUT/logs.txt"
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d|s23a|s23b|s24" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"
