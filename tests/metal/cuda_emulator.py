@@ -1,11 +1,22 @@
 """Runs an ``mx.fast.cuda_kernel`` body on the CPU: the body is wrapped the way MLX wraps it (one
 ``const T*`` parameter per input, ``T*`` per output, template arguments as constexprs), compiled
-with g++ against a small shim (one std::thread per CUDA thread, std::barrier for __syncthreads and
-for warp shuffles, _Float16 for __half) and launched block after block.
+with g++ against a small shim and launched block after block:
+
+- the shim's state is private to each built library (``static``; g++'s ``-fno-gnu-unique``: no
+  global shared with another emulator's library loaded in the same process);
+- every CUDA thread of a block is a fiber (its own stack, ``threadIdx`` its own) of one OS thread,
+  blocks one after the other; a barrier parks a fiber until every thread of its group has arrived
+  (a barrier some thread never reaches is reported as divergent instead of hanging); between two
+  barriers the fibers run one after another in ``threadIdx`` order;
+- ``__syncthreads`` is a barrier over the block; ``__syncwarp``, ``__shfl_xor_sync`` and
+  ``__shfl_sync`` (each lane posts its value, a barrier, reads its source lane's, a barrier) and
+  ``kv_mma`` are barriers over the 32 threads of a warp (the masks are not read: full warps);
+- ``__half`` is ``_Float16``; blocks have at most 1,024 threads.
 
 It checks the kernels' indexing, bit extraction and reductions where no GPU is present; it says
 nothing about speed, and nothing about what the shim does not model (memory ordering beyond
-barriers, warp-synchronous code without shuffles: the kernels here have none).
+barriers, races between threads that no barrier separates, warp-synchronous code without
+shuffles: the kernels here have none).
 
 The tensor-core body's device primitives (``KV_EMU`` replaces them) are modelled here: ``kv_mma``
 is ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` as PTX's ISA lays out its fragments
@@ -19,9 +30,11 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -31,21 +44,48 @@ SHIM = r"""
 #include <cstddef>
 #include <cmath>
 #include <cstring>
-#include <thread>
-#include <barrier>
-#include <vector>
+#include <csetjmp>
+#include <ucontext.h>
+#include <sys/mman.h>
+// The threads of a block are fibers of one OS thread (ucontext stacks, switched by _setjmp /
+// _longjmp): a barrier parks the fiber and the scheduler resumes the others; a fiber parked at a
+// barrier runs again once every thread of its group has arrived there. A barrier that some thread
+// never reaches (a divergent barrier) is reported, not hung on.
+struct emu_fiber {
+  jmp_buf ctx;
+  ucontext_t uc;
+  char* stack;
+  int state;  // 0 not started, 1 ready, 2 parked, 3 done
+  const int* wait;
+  int wait_gen;
+};
+static emu_fiber* emu_f;
+static int emu_cur;
+static jmp_buf emu_main;
+struct emu_barrier {
+  explicit emu_barrier(int n) : n(n) {}
+  __attribute__((noinline)) void arrive_and_wait() {
+    if (++count == n) { count = 0; ++gen; return; }
+    emu_fiber& f = emu_f[emu_cur];
+    f.state = 2; f.wait = &gen; f.wait_gen = gen;
+    if (!_setjmp(f.ctx)) _longjmp(emu_main, 1);
+  }
+  const int n;
+  int count = 0, gen = 0;
+};
 #define __global__
 #define __device__
 #define __forceinline__ inline
 #define __align__(n) alignas(n)
 #define __shared__ static
 struct emu_dim3 { unsigned x, y, z; };
-inline thread_local emu_dim3 threadIdx;
-inline emu_dim3 blockIdx, gridDim, blockDim;
-inline std::barrier<>* emu_bar;
-inline std::barrier<>* emu_wbar[32];
-inline float emu_x[1024];
-alignas(16) inline unsigned char emu_smem[256 * 1024];
+static emu_dim3 emu_tidx[1024];
+#define threadIdx (emu_tidx[emu_cur])
+static emu_dim3 blockIdx, gridDim, blockDim;
+static emu_barrier* emu_bar;
+static emu_barrier* emu_wbar[32];
+static float emu_x[1024];
+alignas(16) static unsigned char emu_smem[256 * 1024];
 inline void __syncthreads() { emu_bar->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int m) {
   const int t = threadIdx.x;
@@ -103,7 +143,7 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline void kv_cp_commit() {}
 template <int N> inline void kv_cp_wait() {}
-inline uint32_t emu_a[32][32][4], emu_b[32][32][2];
+static uint32_t emu_a[32][32][4], emu_b[32][32][2];
 inline void kv_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
   const int w = threadIdx.x >> 5, l = threadIdx.x & 31, g = l >> 2, t = l & 3;
   emu_a[w][l][0] = a0; emu_a[w][l][1] = a1; emu_a[w][l][2] = a2; emu_a[w][l][3] = a3;
@@ -130,6 +170,12 @@ inline void kv_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
 CTYPES = {np.dtype(np.float16): "__half", np.dtype(np.float32): "float", np.dtype(np.int32): "int32_t",
           np.dtype(np.uint32): "uint32_t"}
 BF16 = "bfloat16"
+MAX_THREADS = 1024
+STACK = 256 * 1024  # a fiber's stack: the kernels' frames take a few KB (g++ -fstack-usage)
+# g++'s optimization: -O1 compiles faster than -O2 and runs about as fast (the compile is most of an
+# emulated test's time now); -O2 would also need -fno-strict-aliasing (the kernels type-pun, e.g. a
+# uint4 read as __half2, which -O2's strict aliasing miscompiles)
+FLAGS = ("-O1",)
 
 
 def available() -> bool:
@@ -150,37 +196,89 @@ def build(name: str, header: str, source: str, inputs: list[tuple[str, object]],
     body = source.replace("extern __shared__ __align__(16) unsigned char smem_raw[];",
                           "unsigned char* smem_raw = emu_smem;")
     casts = ", ".join(f"({p.rsplit(' ', 1)[0]})args[{i}]" for i, p in enumerate(params))
-    text = (SHIM + header + f"\nvoid {name}(" + ", ".join(params) + ") {\n" + consts + body + "\n}\n" +
-            "extern \"C\" void launch(void** args, int gx, int gy, int gz, int bx) {\n"
-            "  gridDim = {(unsigned)gx, (unsigned)gy, (unsigned)gz}; blockDim = {(unsigned)bx, 1, 1};\n"
-            "  std::barrier<> bar(bx); emu_bar = &bar;\n"
-            "  std::vector<std::barrier<>*> w; for (int i = 0; i < (bx + 31) / 32; ++i) { w.push_back(new std::barrier<>(32)); emu_wbar[i] = w.back(); }\n"
-            "  for (int z = 0; z < gz; ++z) for (int y = 0; y < gy; ++y) for (int x = 0; x < gx; ++x) {\n"
-            "    blockIdx = {(unsigned)x, (unsigned)y, (unsigned)z};\n"
-            "    std::vector<std::thread> ts;\n"
-            f"    for (int t = 0; t < bx; ++t) ts.emplace_back([=]() {{ threadIdx = {{(unsigned)t, 0, 0}}; {name}({casts}); }});\n"
-            "    for (auto& th : ts) th.join();\n"
-            "  }\n"
-            "  for (auto* b : w) delete b;\n"
-            "}\n")
-    digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+    launcher = (
+        "static void** emu_args;\n"
+        "static void emu_entry(int t) {\n"
+        "  void** args = emu_args;\n"
+        f"  {name}({casts});\n"
+        "  emu_f[t].state = 3;\n"
+        "  _longjmp(emu_main, 1);\n"
+        "}\n"
+        'extern "C" int launch(void** args, int gx, int gy, int gz, int bx) {\n'
+        f"  if (bx < 1 || bx > {MAX_THREADS}) return 2;\n"
+        "  emu_args = args;\n"
+        "  gridDim = {(unsigned)gx, (unsigned)gy, (unsigned)gz}; blockDim = {(unsigned)bx, 1, 1};\n"
+        f"  const size_t stack = {STACK}, guard = 4096, span = stack + guard;\n"
+        "  char* stacks = (char*)mmap(nullptr, span * bx, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);\n"
+        "  if (stacks == (char*)MAP_FAILED) return 4;\n"
+        "  emu_fiber* fibers = new emu_fiber[bx]; emu_f = fibers;\n"
+        "  for (int t = 0; t < bx; ++t) {\n"
+        "    mprotect(stacks + t * span, guard, PROT_NONE);  // a stack overflow faults, not corrupts\n"
+        "    fibers[t].stack = stacks + t * span + guard; emu_tidx[t] = {(unsigned)t, 0, 0};\n"
+        "  }\n"
+        "  const int nw = (bx + 31) / 32;\n"
+        "  int rc = 0;\n"
+        "  for (int z = 0; z < gz && !rc; ++z) for (int y = 0; y < gy && !rc; ++y) for (int x = 0; x < gx && !rc; ++x) {\n"
+        "    blockIdx = {(unsigned)x, (unsigned)y, (unsigned)z};\n"
+        "    emu_barrier bar(bx); emu_bar = &bar;\n"
+        "    emu_barrier* w[32];\n"
+        "    for (int i = 0; i < nw; ++i) { w[i] = new emu_barrier(32); emu_wbar[i] = w[i]; }\n"
+        "    for (int t = 0; t < bx; ++t) {\n"
+        "      emu_fiber& f = fibers[t];\n"
+        "      f.state = 0;\n"
+        "      getcontext(&f.uc); f.uc.uc_stack.ss_sp = f.stack; f.uc.uc_stack.ss_size = stack; f.uc.uc_link = nullptr;\n"
+        "      makecontext(&f.uc, (void (*)())emu_entry, 1, t);\n"
+        "    }\n"
+        "    int done = 0;\n"
+        "    while (done < bx) {\n"
+        "      bool progress = false;\n"
+        "      for (int t = 0; t < bx; ++t) {\n"
+        "        emu_fiber& f = fibers[t];\n"
+        "        if (f.state == 3 || (f.state == 2 && *f.wait == f.wait_gen)) continue;\n"
+        "        progress = true; emu_cur = t;\n"
+        "        if (!_setjmp(emu_main)) {\n"
+        "          if (f.state == 0) { f.state = 1; setcontext(&f.uc); }\n"
+        "          f.state = 1; _longjmp(f.ctx, 1);\n"
+        "        }\n"
+        "        if (f.state == 3) ++done;\n"
+        "      }\n"
+        "      if (!progress) { rc = 3; break; }\n"
+        "    }\n"
+        "    for (int i = 0; i < nw; ++i) delete w[i];\n"
+        "  }\n"
+        "  delete[] fibers;\n"
+        "  munmap(stacks, span * bx);\n"
+        "  return rc;\n"
+        "}\n")
+    text = SHIM + header + f"\nvoid {name}(" + ", ".join(params) + ") {\n" + consts + body + "\n}\n" + launcher
+    digest = hashlib.sha1((text + " ".join(FLAGS)).encode()).hexdigest()[:16]
     out_dir = Path(tempfile.gettempdir()) / "kvarn-cuda-emulator"
     out_dir.mkdir(exist_ok=True)
     lib = out_dir / f"{name}-{digest}.so"
     if not lib.exists():
-        src = out_dir / f"{name}-{digest}.cpp"
+        unique = f"{os.getpid()}-{uuid.uuid4().hex}"  # test workers may build the same text at once
+        src = out_dir / f"{name}-{digest}.{unique}.cpp"
         src.write_text(text)
-        done = subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)],
+        tmp = out_dir / f"{name}-{digest}.{unique}.tmp.so"
+        done = subprocess.run(["g++", "-std=c++20", *FLAGS, "-fno-gnu-unique", "-shared", "-fPIC", "-o", str(tmp), str(src)],
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"g++ failed on {src}:\n{done.stderr[-4000:]}")
+        tmp.rename(lib)
     return ctypes.CDLL(str(lib))
 
 
 def launch(lib: ctypes.CDLL, arrays: list[np.ndarray], grid_blocks: tuple[int, int, int], threads: int) -> None:
-    """Run the kernel over ``arrays`` (inputs then outputs, C-contiguous; outputs are written)."""
+    """Run the kernel over ``arrays`` (inputs then outputs, C-contiguous; outputs are written);
+    a divergent barrier or a block of more than 1,024 threads raises."""
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-    lib.launch(ptrs, *grid_blocks, threads)
+    rc = lib.launch(ptrs, *grid_blocks, threads)
+    if rc == 2:
+        raise RuntimeError(f"a block of {threads} threads: at most {MAX_THREADS}")
+    if rc == 3:
+        raise RuntimeError("a barrier that not every thread of its group reached (divergent barrier)")
+    if rc == 4:
+        raise RuntimeError("no memory for the fibers' stacks")
 
 
 def _np(a) -> np.ndarray:
