@@ -27,7 +27,10 @@ mlx-lm at depth d (variants): ``batch`` = ``mlx_lm.models.cache.BatchKVCache`` (
 goes to the one fused ``mx.fast.scaled_dot_product_attention`` per layer); ``stacked`` = a plain
 ``KVCache`` whose arrays hold all rows (batch dimension B, no mask). One row of P tokens is prefilled
 (chunks of ``--chunk``, timed for reference) and copied into B rows; each decode step is
-model -> argmax -> eval -> tolist, exactly B rows, timed alone.
+model -> argmax -> eval -> tolist, exactly B rows, timed alone (``-async``: model -> argmax ->
+async_eval, then the previous step's tolist, as ``mlx_lm.generate_step`` pipelines its steps).
+An engine arm named ``<arm>-async`` (or every arm with ``--async-scheduling``) runs with
+``SchedulerConfig.async_scheduling``.
 
 Figures (JSON ``cells[]``, seconds unless named otherwise):
   decode_tok_per_s   = level / median wall time of the ordinary decode steps at that level; an
@@ -273,7 +276,8 @@ def decode_estimate(step1: float, levels: list[int], steps: int, warm: int) -> f
 
 
 def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], args, save) -> dict:
-    kv = arm_config(arm)
+    kv = arm_config(arm.removesuffix("-async"))
+    async_scheduling = args.async_scheduling or arm.endswith("-async")
     rng = random.Random(zlib.crc32(f"{arm}-{depth}".encode()))
     commit_k = args.warm + args.steps // 2 + 1
     P = prompt_length(depth, commit_k)
@@ -282,7 +286,8 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
     entry: dict[str, Any] = {"kind": "engine", "arm": arm, "depth": depth, "prompt_tokens": P,
                              "levels": list(levels), "commit_step_expected": commit_k, "max_tokens": max_tokens}
     cfg = SchedulerConfig(max_num_seqs=C, max_num_batched_tokens=C * args.chunk + C, prefill_chunk_size=args.chunk,
-                          kv_budget_bytes=int(args.kv_budget_gb * 1e9))
+                          kv_budget_bytes=int(args.kv_budget_gb * 1e9), async_scheduling=async_scheduling)
+    entry["async_scheduling"] = async_scheduling
     t0 = time.perf_counter()
     engine = make_engine(loaded, cfg, kv, ApcConfig(enabled=False))
     entry["make_engine_s"] = time.perf_counter() - t0
@@ -482,17 +487,23 @@ def run_mlxlm_cell(loaded, recorder, variant: str, depth: int, levels: list[int]
             log(f"mlx-lm {variant} d={depth} c={level}: skipped (time budget)")
             continue
         n = args.steps
-        caches = mlxlm_caches(variant, row, level, P, P + args.warm + n + 8)
+        caches = mlxlm_caches(variant.removesuffix("-async"), row, level, P, P + args.warm + n + 8)
         tok = mx.array(_prompt(rng, level, loaded.vocab_size), dtype=mx.int32)[:, None]
-        rows, graph = [], None
+        rows, graph, prev = [], None, None
         for i in range(args.warm + n):
             recorder.reset()
             recorder.keep = i == args.warm - 1
             ts = time.perf_counter()
             logits = model(tok, cache=caches)
             nxt = mx.argmax(logits[:, -1, :], axis=-1)
-            mx.eval(nxt)
-            nxt.tolist()
+            if variant.endswith("-async"):  # as mlx_lm.generate_step: launch the next, then read the last
+                mx.async_eval(nxt)
+                if prev is not None:
+                    prev.tolist()
+                prev = nxt
+            else:
+                mx.eval(nxt)
+                nxt.tolist()
             wall = time.perf_counter() - ts
             recorder.keep = False
             tok = nxt[:, None].astype(mx.int32)
@@ -587,7 +598,10 @@ def main() -> int:
     p.add_argument("--arms", default="fp16,kvarn-k4v2,affine-4")
     p.add_argument("--depths", default="4096,16384")
     p.add_argument("--concurrency", default="1,16,32")
-    p.add_argument("--mlxlm", default="batch,stacked", help="mlx-lm cache variants (batch, stacked; '' for none)")
+    p.add_argument("--mlxlm", default="batch,stacked", help="mlx-lm cache variants (batch, stacked, and either with -async: the next step launched "
+                        "before the last one's tokens are read, as mlx_lm.generate_step; '' for none)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine arms run with SchedulerConfig.async_scheduling")
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per level")
     p.add_argument("--warm-up", type=int, default=2, metavar="ROWS",
                    help="engine/warm_up.py's workload with this many decode rows after each engine is made, as "
@@ -611,10 +625,10 @@ def main() -> int:
     depths = [int(x) for x in args.depths.split(",")]
     arms = args.arms.split(",")
     for a in arms:
-        arm_config(a)
+        arm_config(a.removesuffix("-async"))
     variants = [v for v in args.mlxlm.split(",") if v]
-    if any(v not in ("batch", "stacked") for v in variants):
-        raise SystemExit("--mlxlm takes batch, stacked")
+    if any(v.removesuffix("-async") not in ("batch", "stacked") for v in variants):
+        raise SystemExit("--mlxlm takes batch, stacked (either with -async)")
 
     recorder = Recorder()
     env = environment()

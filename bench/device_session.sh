@@ -6,6 +6,7 @@
 #   bash bench/device_session.sh masked CHUNK  # session 19: chunk attention masked vs by tiles, the view's
 #                                              # GPU tests, the engine at c = 1 and 32 with prompt chunks of CHUNK
 #                                              # (WITH_APC=1: bench/device_apc.py before the engine; SKIP_CA=1: no chunk bench)
+#   DEPTH=4096 bash bench/device_session.sh s26  # session 26: async scheduling: GPU tests, engine A/B (TESTS= skips the tests)
 #   bash bench/device_session.sh s24      # session 24: fp16 slots' flat scatter: GPU tests, engine, fp16 step profile
 #   bash bench/device_session.sh s22      # session 22: in-place commit A/B, prefill steps, disk hit, no CUDA graphs
 # Every call ends by packing MLX's compiled-kernel cache into $OUT (mlx-cuda-kit --ptx-cache takes it).
@@ -128,7 +129,17 @@ case "${1:-}" in
       --kv-budget-gb 40 --warm-up 2 --out "$OUT/step-profile-h200-s24-fp16.json"
     cat $LOGS/*.log > "$OUT/logs.txt"
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d|s23a|s23b|s24" >&2; exit 2 ;;
+  s26)  # session 26: async scheduling (the next step launched before this one is read back), its GPU tests,
+        # the engine benchmark with and without it beside mlx-lm with and without its pipelining; DEPTH (4096)
+    LOGS=/tmp/steplogs; mkdir -p $LOGS
+    [ -n "${TESTS:-1}" ] && TAIL=6 step async-tests 150 python3 -m pytest -q -x -p no:cacheprovider -n 0 \
+      tests/engine/test_async_scheduling.py
+    TAIL=40 step engine ${ENGINE_S:-500} python3 bench/device_engine.py --out "$OUT/device-engine-h200-s26-${DEPTH:-4096}.json" \
+      --arms fp16,fp16-async,kvarn-k4v2,kvarn-k4v2-async --depths ${DEPTH:-4096} --concurrency 1,32 \
+      --mlxlm stacked,stacked-async --chunk 2048 --time-budget $(( ${ENGINE_S:-500} - 20 ))
+    cat $LOGS/*.log > "$OUT/logs.txt"
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d|s23a|s23b|s24|s26" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"

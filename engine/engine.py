@@ -15,7 +15,7 @@ from apc.prefix_cache import PrefixCache
 from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
 from engine.memory import release_memory
-from engine.model_runner import ModelRunner
+from engine.model_runner import Dispatched, ModelRunner
 from engine.budget import PoolBudget, StaticBudget
 from engine.pool_tier import PoolTier
 from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
@@ -179,6 +179,8 @@ class Engine:
         self.requests: dict[RequestId, Request] = {}
         self._outputs: dict[RequestId, OutputState] = {}
         self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
+        self._async = config.async_scheduling
+        self._ahead: Dispatched | None = None  # async scheduling: the step launched, not read back
 
     def _price(self, request: Request, n: int) -> Reservation:
         return self.pricing.reservation(request.num_prompt_tokens, request.params.max_tokens, n)
@@ -194,6 +196,7 @@ class Engine:
     # --- prefix cache ---
     def close(self) -> None:
         """Finish the prefix cache's disk writes (shutdown)."""
+        self._ahead = None
         if self.prefix is not None:
             self.prefix.cache.close()
 
@@ -279,7 +282,7 @@ class Engine:
         return self._finish(request, FinishReason.ABORT)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._ahead is not None
 
     @property
     def num_running(self) -> int:
@@ -290,14 +293,51 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
-        if self.prefix is not None:
-            self.prefix.cache.poll()  # blocks read from disk since the last step join the memory tier
-        plan = self.scheduler.plan()
-        if plan.is_empty and self.prefix is not None and self.prefix.cache.reading:
-            self.prefix.cache.wait(0.05)  # nothing to run but a disk read: wait for it, not spin
-            return []
-        result = self.runner.run(plan, self.requests)
-        return self.update(plan, result)
+        """One step: plan, run, update. With ``async_scheduling`` a step may instead read back the
+        step launched by the last call, after launching the one after it (``_run_ahead``)."""
+        if self._ahead is not None:
+            current, self._ahead = self._ahead, None
+            live = tuple(i for i in current.plan.decodes if i in self.requests)
+            if not live:  # every row it ran for was aborted meanwhile: nothing to read
+                return []
+            current = replace(current, plan=replace(current.plan, decodes=live),
+                              pending={i: a for i, a in current.pending.items() if i in self.requests})
+        else:
+            if self.prefix is not None:
+                self.prefix.cache.poll()  # blocks read from disk since the last step join the memory tier
+            plan = self.scheduler.plan()
+            if plan.is_empty and self.prefix is not None and self.prefix.cache.reading:
+                self.prefix.cache.wait(0.05)  # nothing to run but a disk read: wait for it, not spin
+                return []
+            if not self._async:
+                return self.update(plan, self.runner.run(plan, self.requests))
+            current = self.runner.dispatch(plan, self.requests)
+        self._ahead = self._run_ahead(current)
+        return self.update(current.plan, self.runner.collect(current))
+
+    def _run_ahead(self, current: Dispatched) -> Dispatched | None:
+        """The next step, launched now from ``current``'s sampled tokens (still lazy on the device),
+        when it is certain to be exactly the decode step the scheduler would plan next if no row
+        stops on one of them: every running row sampled in ``current`` and nothing else waits;
+        no row is constrained (its mask needs the token on the host) and none can reach
+        ``max_tokens`` or the context with ``current``'s token (its next write could pass its
+        reservation). A row that does stop on its token (EOS, a stop string) ran one token too
+        many on the device; that token is dropped with the row. An abort meanwhile drops the
+        row's result. Anything else (arrivals, prompts, forks) waits for the next ordinary step."""
+        sched = self.scheduler
+        if current.failed is not None or sched.waiting or any(sched.forks.values()) or sched._freed:
+            return None
+        limit = self.loaded.context_length
+        for request in sched.running:
+            params = request.params
+            if (request.request_id not in current.pending or params.constraint is not None
+                    or len(request.output_ids) + 2 > params.max_tokens
+                    or request.num_prompt_tokens + len(request.output_ids) + 2 > limit):
+                return None
+        plan = StepPlan(decodes=tuple(r.request_id for r in sched.running))
+        if not plan.decodes:
+            return None
+        return self.runner.dispatch(plan, self.requests, after=current)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         outputs = []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -43,6 +43,20 @@ class Row:
     cache: list[Any]
     sampler: SamplerState
     params: SamplingParams
+
+
+@dataclass
+class Dispatched:
+    """A step whose graphs are built and whose forward is launched, not yet read back: the
+    sampled arrays by row (``pending``), rows a grammar ended, prompt scores, every array the
+    collect evaluates; ``failed`` when building it failed (its rows are freed already)."""
+
+    plan: StepPlan
+    pending: dict[RequestId, SampleArrays] = field(default_factory=dict)
+    ended: dict[RequestId, FinishReason] = field(default_factory=dict)
+    scores: dict[RequestId, PromptArrays] = field(default_factory=dict)
+    arrays: list[mx.array] = field(default_factory=list)
+    failed: dict[RequestId, str] | None = None
 
 
 class DecodeBatch:
@@ -133,11 +147,19 @@ class ModelRunner:
 
     def run(self, plan: StepPlan, requests: Mapping[RequestId, Request]) -> StepResult:
         """Prefill the plan's chunks, decode its rows, sample every row that ends the step with
-        logits. Constrained rows' masks are computed on the mask worker meanwhile
-        (``engine/grammar_rows.py``): the step's forward is dispatched before the engine thread
-        waits for them, and unconstrained rows sample exactly as they would without them. The
-        decode forward is dispatched (``async_eval``) before the sampling graphs are built whether
-        or not a row is constrained, so both kinds of step run the same way."""
+        logits (``dispatch`` then ``collect``). Constrained rows' masks are computed on the mask
+        worker meanwhile (``engine/grammar_rows.py``): the step's forward is dispatched before the
+        engine thread waits for them, and unconstrained rows sample exactly as they would without
+        them. The decode forward is dispatched (``async_eval``) before the sampling graphs are
+        built whether or not a row is constrained, so both kinds of step run the same way."""
+        return self.collect(self.dispatch(plan, requests))
+
+    def dispatch(self, plan: StepPlan, requests: Mapping[RequestId, Request],
+                 after: Dispatched | None = None) -> Dispatched:
+        """Build the step's graphs (forward and sampling) and launch the forward; nothing is read
+        back. ``after``: a step dispatched but not collected yet, whose sampled tokens are this
+        step's decode inputs (``plan`` then decodes exactly rows that sampled in ``after``: the
+        engine's ``async_scheduling``); its tokens are never read on the host here."""
         self.free(plan.freed)
         job = None
         try:
@@ -147,7 +169,7 @@ class ModelRunner:
             for chunk in plan.prefills:
                 self._prefill(chunk, requests, logits, scores)
             if plan.decodes:
-                self._decode(plan.decodes, requests, logits)
+                self._decode(plan.decodes, requests, logits, after)
             masks = job.result() if job is not None else {}
             pending: dict[RequestId, SampleArrays] = {}
             ended = {}
@@ -159,23 +181,37 @@ class ModelRunner:
                 pending[request_id] = sample(row_logits, row.params, row.sampler,
                                              None if allowed is None else mx.array(allowed))
             states = [self.rows[i].sampler for i in pending]
-            mx.eval([a for arrays in (*pending.values(), *scores.values()) for a in vars(arrays).values()
-                     if isinstance(a, mx.array)]
-                    + [s.key for s in states] + [s.counts for s in states if s.counts is not None])
-            return StepResult(sampled=self._collect(pending), ended=ended,
-                              prompt_scores={i: _scores(arrays) for i, arrays in scores.items()})
+            arrays = ([a for arrays in (*pending.values(), *scores.values()) for a in vars(arrays).values()
+                       if isinstance(a, mx.array)]
+                      + [s.key for s in states] + [s.counts for s in states if s.counts is not None])
+            return Dispatched(plan, pending, ended, scores, arrays)
         except Exception as exc:  # a failed step fails its rows, never the engine
-            logger.exception("step failed")
-            if job is not None:  # the worker lets go of the matchers before their rows are freed
-                job.wait()
-            involved = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks]
-            involved += list(plan.decodes)
-            for chunk in plan.prefills:  # a hit its row never took (a no-op for one it took)
-                if chunk.restore is not None and self.release is not None:
-                    self.release(chunk.restore)
-            self.batch.clear()
-            self.free(tuple(involved))
-            return StepResult(failed={request_id: f"generation failed: {exc}" for request_id in involved})
+            return Dispatched(plan, failed=self._fail(plan, exc, job))
+
+    def collect(self, step: Dispatched) -> StepResult:
+        """Evaluate a dispatched step and read its tokens back (each constrained row's matcher
+        consumes its token here)."""
+        if step.failed is not None:
+            return StepResult(failed=step.failed)
+        try:
+            mx.eval(step.arrays)
+            return StepResult(sampled=self._collect(step.pending), ended=step.ended,
+                              prompt_scores={i: _scores(arrays) for i, arrays in step.scores.items()})
+        except Exception as exc:
+            return StepResult(failed=self._fail(step.plan, exc, None))
+
+    def _fail(self, plan: StepPlan, exc: Exception, job: Any) -> dict[RequestId, str]:
+        logger.error("step failed", exc_info=exc)
+        if job is not None:  # the worker lets go of the matchers before their rows are freed
+            job.wait()
+        involved = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks]
+        involved += list(plan.decodes)
+        for chunk in plan.prefills:  # a hit its row never took (a no-op for one it took)
+            if chunk.restore is not None and self.release is not None:
+                self.release(chunk.restore)
+        self.batch.clear()
+        self.free(tuple(involved))
+        return {request_id: f"generation failed: {exc}" for request_id in involved}
 
     def _prefill(self, chunk: PrefillChunk, requests: Mapping[RequestId, Request],
                  out: dict[RequestId, mx.array], scores: dict[RequestId, PromptArrays]) -> None:
@@ -210,17 +246,22 @@ class ModelRunner:
                 out[request_id] = logits
 
     def _decode(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
-                out: dict[RequestId, mx.array]) -> None:
-        """The rows' next logits, already being computed when this returns (masks are awaited next)."""
+                out: dict[RequestId, mx.array], after: Dispatched | None = None) -> None:
+        """The rows' next logits, already being computed when this returns (masks are awaited next).
+        ``after``: the inputs are that step's sampled tokens (lazy), not the requests' last ones."""
         if not self.batch_decode:
             for request_id in ids:
                 row = self.rows[request_id]
-                tokens = mx.array(requests[request_id].output_ids[-1:], dtype=mx.int32)[None]
+                tokens = after.pending[request_id].token.reshape(1, 1).astype(mx.int32) if after is not None \
+                    else mx.array(requests[request_id].output_ids[-1:], dtype=mx.int32)[None]
                 out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
             mx.async_eval([out[i] for i in ids])
             return
         self.batch.sync(ids, self.rows)
-        tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
+        if after is not None:
+            tokens = mx.stack([after.pending[i].token for i in self.batch.ids]).astype(mx.int32)[:, None]
+        else:
+            tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
         logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
         mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):

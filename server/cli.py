@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="token budget of one step (default: %(default)s)")
     serve.add_argument("--prefill-chunk-size", type=int, default=512,
                        help="largest prompt chunk per step (default: %(default)s)")
+    serve.add_argument("--async-scheduling", action="store_true",
+                       help="in steady decode, launch the next step from this step's sampled tokens before "
+                            "reading them back, so the host's work overlaps the device's (a row that stops on "
+                            "EOS or a stop string runs one token more on the device, dropped; docs/engine.md)")
     serve.add_argument("--kv-budget-bytes", type=_size, default=None, metavar="BYTES",
                        help="KV cache budget that admission works within (suffixes K/M/G/KiB/MiB/GiB; default: "
                             "half the machine's memory less the weights, printed at start); a request reserves "
@@ -327,7 +331,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
 
     try:
         scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size,
-                                    args.kv_budget_bytes)
+                                    args.kv_budget_bytes, async_scheduling=args.async_scheduling)
     except ValueError as exc:
         raise SystemExit(f"kvarn serve: {exc}") from exc
     if args.max_queue < 0:
