@@ -132,7 +132,7 @@ case "${1:-}" in
   s26)  # session 26: async scheduling (the next step launched before this one is read back), its GPU tests,
         # the engine benchmark with and without it beside mlx-lm with and without its pipelining; DEPTH (4096)
     LOGS=/tmp/steplogs; mkdir -p $LOGS
-    [ -n "${TESTS:-1}" ] && TAIL=6 step async-tests 150 python3 -m pytest -q -x -p no:cacheprovider -n 0 \
+    [ -n "${TESTS-1}" ] && TAIL=6 step async-tests 150 python3 -m pytest -q -x -p no:cacheprovider -n 0 \
       tests/engine/test_async_scheduling.py
     TAIL=40 step engine ${ENGINE_S:-500} python3 bench/device_engine.py --out "$OUT/device-engine-h200-s26-${DEPTH:-4096}.json" \
       --arms fp16,fp16-async,kvarn-k4v2,kvarn-k4v2-async --depths ${DEPTH:-4096} --concurrency 1,32 \
