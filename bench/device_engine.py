@@ -37,7 +37,9 @@ Figures (JSON ``cells[]``, seconds unless named otherwise):
                        ordinary step is one around ``engine.step()`` in which every alive row gained
                        exactly one token (exactly ``level`` decoding rows, no prefill) and which is
                        not the tile step. mlx-lm: level / median step wall time.
-  tile_step_s        the one step in which the cache length crosses a multiple of 128 (KVarN: all
+  tile_step_s        the one step in which the cache length crosses a multiple of 128 (with async
+                     scheduling: the call that launched that step, one before the one returning its
+                     tokens; before session 26's fix the label fell one call late there) (KVarN: all
                      rows commit a tile; fp16/affine: the same position, for comparison);
                      tile_step_over_median = tile_step_s / median ordinary step.
   amortized_tok_per_s = level / ((127 * median + tile_step_s) / 128): one commit every 128 steps.
@@ -393,6 +395,8 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
             recorder.keep = hook.keep = False
             ok = all(len(r.output_ids) == b + 1 for r, b in zip(alive, before))
             cache_len = len(alive[0].prompt_ids) + len(alive[0].output_ids) - 1
+            if getattr(engine, "_ahead", None) is not None:  # async scheduling: this call launched the next step
+                cache_len += 1  # (the step whose work it dispatched, so a commit's cost lands in this call)
             if keep:
                 graph, step_graph = recorder.graph, hook.graph
             if i >= args.warm:
