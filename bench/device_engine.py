@@ -30,7 +30,8 @@ goes to the one fused ``mx.fast.scaled_dot_product_attention`` per layer); ``sta
 model -> argmax -> eval -> tolist, exactly B rows, timed alone (``-async``: model -> argmax ->
 async_eval, then the previous step's tolist, as ``mlx_lm.generate_step`` pipelines its steps).
 An engine arm named ``<arm>-async`` (or every arm with ``--async-scheduling``) runs with
-``SchedulerConfig.async_scheduling``.
+``SchedulerConfig.async_scheduling``; one named ``<arm>-solo`` runs each prompt chunk in its own
+forward (``SchedulerConfig.batch_prefill`` False; by default a step's chunks run together).
 
 Figures (JSON ``cells[]``, seconds unless named otherwise):
   decode_tok_per_s   = level / median wall time of the ordinary decode steps at that level; an
@@ -106,6 +107,16 @@ def log(*parts: Any) -> None:
 
 def elapsed() -> float:
     return time.perf_counter() - START
+
+
+def arm_flags(arm: str) -> tuple[str, bool, bool]:
+    """An engine arm's KV arm and its suffixes, in any order: (base, ``-async``, ``-solo``)."""
+    base, flags = arm, set()
+    while base.endswith(("-async", "-solo")):
+        flag = "-async" if base.endswith("-async") else "-solo"
+        flags.add(flag)
+        base = base.removesuffix(flag)
+    return base, "-async" in flags, "-solo" in flags
 
 
 def arm_config(name: str) -> KVConfig:
@@ -278,8 +289,10 @@ def decode_estimate(step1: float, levels: list[int], steps: int, warm: int) -> f
 
 
 def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], args, save) -> dict:
-    kv = arm_config(arm.removesuffix("-async"))
-    async_scheduling = args.async_scheduling or arm.endswith("-async")
+    base, is_async, solo = arm_flags(arm)
+    kv = arm_config(base)
+    async_scheduling = args.async_scheduling or is_async
+    batch_prefill = not solo
     rng = random.Random(zlib.crc32(f"{arm}-{depth}".encode()))
     commit_k = args.warm + args.steps // 2 + 1
     P = prompt_length(depth, commit_k)
@@ -288,8 +301,10 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
     entry: dict[str, Any] = {"kind": "engine", "arm": arm, "depth": depth, "prompt_tokens": P,
                              "levels": list(levels), "commit_step_expected": commit_k, "max_tokens": max_tokens}
     cfg = SchedulerConfig(max_num_seqs=C, max_num_batched_tokens=C * args.chunk + C, prefill_chunk_size=args.chunk,
-                          kv_budget_bytes=int(args.kv_budget_gb * 1e9), async_scheduling=async_scheduling)
+                          kv_budget_bytes=int(args.kv_budget_gb * 1e9), async_scheduling=async_scheduling,
+                          batch_prefill=batch_prefill)
     entry["async_scheduling"] = async_scheduling
+    entry["batch_prefill"] = batch_prefill
     t0 = time.perf_counter()
     engine = make_engine(loaded, cfg, kv, ApcConfig(enabled=False))
     entry["make_engine_s"] = time.perf_counter() - t0
@@ -344,6 +359,7 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
     first: dict[str, float] = {}
     walls = []
     t0 = time.perf_counter()
+    forwards0, chunks0 = engine.runner.prefill_forwards, engine.runner.prefill_chunks
     for r in reqs:
         engine.add_request(r)
     while len(first) < C:
@@ -358,13 +374,16 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
             raise RuntimeError("prefill did not finish")
     entry["prefill_all_s"] = time.perf_counter() - t0
     entry["prefill_steps"] = len(walls)
+    entry["prefill_forwards"] = engine.runner.prefill_forwards - forwards0
+    entry["prefill_chunks"] = engine.runner.prefill_chunks - chunks0
     entry["prefill_max_step_s"] = max(walls)
     entry["prefill_tok_per_s"] = C * P / entry["prefill_all_s"]
     entry["ttft_batch_mean_s"] = statistics.mean(first.values())
     entry["ttft_batch_max_s"] = max(first.values())
     entry["kv_bytes_after_prefill"] = engine.runner.kv_nbytes()
     log(f"{arm} d={depth}: {C} prompts of {P} in {entry['prefill_all_s']:.2f} s "
-        f"({entry['prefill_tok_per_s']:.0f} tok/s, TTFT mean {entry['ttft_batch_mean_s']:.2f} s), "
+        f"({entry['prefill_tok_per_s']:.0f} tok/s, TTFT mean {entry['ttft_batch_mean_s']:.2f} s, "
+        f"{entry['prefill_chunks']} chunks in {entry['prefill_forwards']} forwards), "
         f"KV {entry['kv_bytes_after_prefill'] / 1e9:.2f} GB")
     save(entry)
 
@@ -629,7 +648,7 @@ def main() -> int:
     depths = [int(x) for x in args.depths.split(",")]
     arms = args.arms.split(",")
     for a in arms:
-        arm_config(a.removesuffix("-async"))
+        arm_config(arm_flags(a)[0])
     variants = [v for v in args.mlxlm.split(",") if v]
     if any(v.removesuffix("-async") not in ("batch", "stacked") for v in variants):
         raise SystemExit("--mlxlm takes batch, stacked (either with -async)")

@@ -7,6 +7,7 @@
 #                                              # GPU tests, the engine at c = 1 and 32 with prompt chunks of CHUNK
 #                                              # (WITH_APC=1: bench/device_apc.py before the engine; SKIP_CA=1: no chunk bench)
 #   DEPTH=4096 bash bench/device_session.sh s26  # session 26: async scheduling: GPU tests, engine A/B (TESTS= skips the tests)
+#   DEPTH=4096 bash bench/device_session.sh s27  # session 27: batched prefill: GPU tests, engine A/B (ARMS, TESTS= skips the tests)
 #   bash bench/device_session.sh s24      # session 24: fp16 slots' flat scatter: GPU tests, engine, fp16 step profile
 #   bash bench/device_session.sh s22      # session 22: in-place commit A/B, prefill steps, disk hit, no CUDA graphs
 # Every call ends by packing MLX's compiled-kernel cache into $OUT (mlx-cuda-kit --ptx-cache takes it).
@@ -139,7 +140,17 @@ case "${1:-}" in
       --mlxlm stacked,stacked-async --chunk 2048 --time-budget $(( ${ENGINE_S:-500} - 20 ))
     cat $LOGS/*.log > "$OUT/logs.txt"
     ;;
-  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d|s23a|s23b|s24|s26" >&2; exit 2 ;;
+  s27)  # session 27: a step's prompt chunks in one forward (batch_prefill) against one forward a chunk
+        # (the -solo arms), its GPU tests, beside mlx-lm; DEPTH (4096), ARMS
+    LOGS=/tmp/steplogs; mkdir -p $LOGS
+    [ -n "${TESTS-1}" ] && TAIL=8 step prefill-tests 150 python3 -m pytest -q -x -p no:cacheprovider -n 0 \
+      tests/kvarn/test_chunk_rows.py tests/engine/test_batch_prefill.py
+    TAIL=40 step engine ${ENGINE_S:-440} python3 bench/device_engine.py --out "$OUT/device-engine-h200-s27-${DEPTH:-4096}.json" \
+      --arms ${ARMS:-fp16,fp16-solo,kvarn-k4v2,kvarn-k4v2-solo} --depths ${DEPTH:-4096} --concurrency ${LEVELS:-1,32} \
+      --mlxlm stacked --chunk 2048 --time-budget $(( ${ENGINE_S:-440} - 20 ))
+    cat $LOGS/*.log > "$OUT/logs.txt"
+    ;;
+  *) echo "usage: $0 checks|engine|prefill|masked [CHUNK]|s22|s22b|s22c|s22d|s23a|s23b|s24|s26|s27" >&2; exit 2 ;;
 esac
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \
   && echo "== ptx cache: $(du -sh "$OUT/mlx-ptx-cache.tar.xz" | cut -f1)"

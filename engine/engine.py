@@ -153,7 +153,8 @@ class Engine:
         self.layout = layout
         config = config or SchedulerConfig()
         self.pricing = pricing or make_pricing(loaded, layout, config.prefill_chunk_size)
-        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity)
+        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
+                                  batch_prefill=config.batch_prefill)
         pool = self.runner.store.pool
         budget: StaticBudget = StaticBudget(self._price, config.kv_budget_bytes)
         if pool is not None:  # KVarN rows in the block pool: shared blocks counted once

@@ -128,12 +128,14 @@ class EngineClient:
         return list(self._require_tokenizer().encode(text, add_special_tokens=False))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The model's chat template over ``messages`` (and ``tools``, OpenAI's function tools as
-        dicts, which the template lists for the model), tokenized; special-token text inside a
-        message's content stays text unless ``EngineConfig.parse_special`` (engine/chat_prompt.py)."""
+        dicts, which the template lists for the model; ``template_kwargs``, the template's extra
+        variables such as ``enable_thinking``), tokenized; special-token text inside a message's
+        content stays text unless ``EngineConfig.parse_special`` (engine/chat_prompt.py)."""
         return chat_prompt_ids(self._require_tokenizer(), messages, add_generation_prompt=add_generation_prompt,
-                               tools=tools, parse_special=self.config.parse_special)
+                               tools=tools, parse_special=self.config.parse_special, template_kwargs=template_kwargs)
 
     def output_parser(self, prompt_ids: list[int], *, tools: list[dict[str, Any]] | None = None,
                       parse_tools: bool = False, reasoning: bool = True) -> OutputParser:
@@ -362,6 +364,7 @@ class EngineClient:
         stats = {"running": engine.num_running, "waiting": engine.num_waiting,
                  "kv_bytes": engine.runner.kv_nbytes(), "reserved_bytes": engine.scheduler.reserved_bytes,
                  "kv_allocated_bytes": engine.runner.kv_allocated_bytes(),
+                 "prefill_forwards": engine.runner.prefill_forwards, "prefill_chunks": engine.runner.prefill_chunks,
                  **mlx_memory(), **engine.prefix_cache_counters()}
         with self._lock:
             self._stats = stats

@@ -1,13 +1,15 @@
 """The model runner: owns the rows (per-request KV caches, in the storage of its ``RowStore``, and
 sampler states), runs forwards and samples.
 
-Only the engine thread calls it. Prompt chunks run one row at a time (a chunk is already a
-matrix of tokens); all decoding rows run as one batch: one forward of [B, 1] tokens over a batch
-cache per layer (``kvarn.batch.make_batch_cache``: one attention graph per layer for rows in the
-KVarN pool or the baselines' slots), so the weight matmuls are shared and every row still attends
-over exactly its own tokens. The decode batch persists across steps: rows join (``extend``) and
+Only the engine thread calls it. A step's prompt chunks of similar lengths run together: one
+forward of [B, T] tokens right-padded to the longest (``kvarn.batch.ChunkRows`` writes and
+attends each row's own tokens only), the LM head at each row's last token only and only for a
+prompt's last chunk (``engine.forward.Forward``). All decoding rows run as one batch: one forward
+of [B, 1] tokens over a batch cache per layer (``kvarn.batch.make_batch_cache``: one attention
+graph per layer for rows in the KVarN pool or the baselines' slots), so the weight matmuls are
+shared and every row still attends over exactly its own tokens. The decode batch persists across steps: rows join (``extend``) and
 leave (``filter``) without copying anyone's cache. A decode step is built as lazy MLX graphs and
-evaluated together; each prompt chunk of a row in shared storage is evaluated before the next
+evaluated together; each prompt forward over rows in shared storage is evaluated before the next
 graph is built (MLX then updates the shared buffers in place). Rows under a grammar get their
 masks from ``RowGrammars`` (computed on a worker thread during the step's forward) and consume
 their tokens after it.
@@ -22,18 +24,21 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.forward import Forward
 from engine.grammar_rows import DEAD_END, RowGrammars
 from engine.loader import LoadedModel
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import PromptArrays, SampleArrays, SamplerState, make_sampler_state, sample, score_prompt
 from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
 from kvarn.baselines import cache_nbytes
-from kvarn.batch import BatchRows, make_batch_cache
+from kvarn.batch import BatchRows, ChunkRows, make_batch_cache
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore
 from kvarn.slots import SlotRow
 
 logger = logging.getLogger(__name__)
+
+PAD_SLACK = 1.25  # a prompt chunk batch's padded positions over its tokens, at most
 
 
 @dataclass
@@ -97,13 +102,19 @@ class DecodeBatch:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
-                 capacity: Any = None, restore: Any = None, release: Any = None) -> None:
+                 capacity: Any = None, restore: Any = None, release: Any = None,
+                 batch_prefill: bool = True) -> None:
         """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
         once); ``restore(hit, fresh)`` fills a fresh row from a prefix-cache hit that a plan's
         chunk carries (``PrefillChunk.restore``) and returns it, ``release(hit)`` lets go of a
         hit no row took (its step failed first); ``batch_decode`` False runs each decoding row
-        alone (models whose caches cannot be batched, e.g. recurrent layers)."""
+        alone (models whose caches cannot be batched, e.g. recurrent layers); ``batch_prefill``
+        False runs each prompt chunk in its own forward."""
         self.loaded = loaded
+        self.batch_prefill = batch_prefill
+        self.forward = Forward(loaded.model)
+        self.prefill_forwards = 0  # forwards that ran prompt chunks, and the chunks they ran
+        self.prefill_chunks = 0
         self.layout = layout
         self.batch_decode = batch_decode
         self.capacity = capacity
@@ -166,8 +177,8 @@ class ModelRunner:
             job = self.grammars.start(_sampling_rows(plan, requests), requests)
             logits: dict[RequestId, mx.array] = {}  # one row of logits per row that samples
             scores: dict[RequestId, PromptArrays] = {}  # prompt tokens scored (prompt_logprobs)
-            for chunk in plan.prefills:
-                self._prefill(chunk, requests, logits, scores)
+            for chunks in self._prefill_groups(plan.prefills, requests):
+                self._prefill(chunks, requests, logits, scores)
             if plan.decodes:
                 self._decode(plan.decodes, requests, logits, after)
             masks = job.result() if job is not None else {}
@@ -213,37 +224,74 @@ class ModelRunner:
         self.free(tuple(involved))
         return {request_id: f"generation failed: {exc}" for request_id in involved}
 
-    def _prefill(self, chunk: PrefillChunk, requests: Mapping[RequestId, Request],
+    def _prefill_groups(self, chunks: tuple[PrefillChunk, ...],
+                        requests: Mapping[RequestId, Request]) -> list[list[PrefillChunk]]:
+        """The step's prompt chunks in forwards: chunks of similar lengths run together (longest
+        first, a group taking the next chunk while its padding stays within ``PAD_SLACK`` of its
+        tokens); a chunk whose prompt tokens are scored (``prompt_logprobs``) runs alone, and so
+        does every chunk of a model whose rows cannot batch (``batch_decode`` False: recurrent
+        state would take the padding in)."""
+        if not self.batch_prefill or not self.batch_decode:
+            return [[chunk] for chunk in chunks]
+        scored = [chunk for chunk in chunks if requests[chunk.request_id].params.prompt_logprobs is not None]
+        groups: list[list[PrefillChunk]] = [[chunk] for chunk in scored]
+        start = len(groups)
+        for chunk in sorted((c for c in chunks if c not in scored), key=lambda c: -c.num_tokens):
+            group = groups[-1] if len(groups) > start else None
+            if group is not None and (len(group) + 1) * group[0].num_tokens <= \
+                    PAD_SLACK * (sum(c.num_tokens for c in group) + chunk.num_tokens):
+                group.append(chunk)
+            else:
+                groups.append([chunk])
+        return groups
+
+    def _prefill(self, chunks: list[PrefillChunk], requests: Mapping[RequestId, Request],
                  out: dict[RequestId, mx.array], scores: dict[RequestId, PromptArrays]) -> None:
-        """One prompt chunk of one row; the last one hands its logits to every choice that samples
-        (not to a ``max_tokens`` 0 request), and a request with ``prompt_logprobs`` has the chunk's
-        prompt tokens scored from every position's logits (the forward computes them all anyway)."""
-        request = requests[chunk.request_id]
-        row = self.rows.get(chunk.request_id) or self._new_row(request, chunk.restore)
-        tokens = mx.array(request.prompt_ids[chunk.start_idx: chunk.end_idx], dtype=mx.int32)[None]
-        all_logits = self.loaded.model(tokens, cache=row.cache)[0]
-        logits = all_logits[-1]
+        """Prompt chunks of one or more rows in one forward (right-padded to the longest, each row
+        writing and attending only its own tokens: ``kvarn.batch.ChunkRows``); the LM head runs
+        at each row's last token only, and only when a chunk is its prompt's last. A last chunk
+        hands its logits to every choice that samples (not to a ``max_tokens`` 0 request); a
+        request with ``prompt_logprobs`` (always alone) has the chunk's prompt tokens scored from
+        every position's logits."""
+        rows = [self.rows.get(c.request_id) or self._new_row(requests[c.request_id], c.restore) for c in chunks]
+        lengths = [chunk.num_tokens for chunk in chunks]
+        T = max(lengths)
+        tokens = mx.array([list(requests[c.request_id].prompt_ids[c.start_idx: c.end_idx]) + [0] * (T - n)
+                           for c, n in zip(chunks, lengths)], dtype=mx.int32)
+        if len(chunks) == 1:
+            cache = rows[0].cache
+        else:
+            cache = [ChunkRows([row.cache[l] for row in rows], lengths) for l in range(len(rows[0].cache))]
+        hidden = self.forward.hidden(tokens, cache)
+        self.prefill_forwards += 1
+        self.prefill_chunks += len(chunks)
+        logits = self.forward.logits_at(hidden, [n - 1 for n in lengths]) \
+            if any(c.is_last for c in chunks) else None
         scored = []
-        if request.params.prompt_logprobs is not None:
-            arrays = score_prompt(all_logits, request.prompt_ids, chunk.start_idx, chunk.end_idx,
-                                  request.params.prompt_logprobs)
+        request = requests[chunks[0].request_id]
+        if request.params.prompt_logprobs is not None:  # a chunk alone (``_prefill_groups``)
+            arrays = score_prompt(self.forward.all_logits(hidden)[0], request.prompt_ids, chunks[0].start_idx,
+                                  chunks[0].end_idx, request.params.prompt_logprobs)
             if arrays is not None:
-                scores[chunk.request_id] = arrays
+                scores[chunks[0].request_id] = arrays
                 scored = [a for a in vars(arrays).values() if isinstance(a, mx.array)]
+        states = [c.state for row in rows for c in row.cache]
         if self.store.in_place:  # settled now, so the next write to the shared buffers is in place
-            mx.eval(logits, scored, [c.state for c in row.cache])
-            self.store.settle(row.cache)  # a windowed row lets go of what its next token will not attend
-        if not chunk.is_last:
-            if not self.store.in_place:
-                mx.async_eval(scored, [c.state for c in row.cache])
-            return
-        for fork_id in chunk.forks:  # n > 1: the other choices share this prompt's history
-            fork = requests[fork_id]
-            self.rows[fork_id] = Row(self.store.fork(row.cache), make_sampler_state(fork.params, self.loaded.vocab_size),
-                                     fork.params)
-        for request_id in (chunk.request_id, *chunk.forks):
-            if requests[request_id].params.max_tokens > 0:
-                out[request_id] = logits
+            mx.eval([] if logits is None else logits, scored, states)
+            for row in rows:
+                self.store.settle(row.cache)  # a windowed row lets go of what its next token will not attend
+        elif not all(c.is_last for c in chunks):
+            mx.async_eval(scored, [c.state for row, ch in zip(rows, chunks) if not ch.is_last for c in row.cache])
+        for k, (chunk, row) in enumerate(zip(chunks, rows)):
+            if not chunk.is_last:
+                continue
+            for fork_id in chunk.forks:  # n > 1: the other choices share this prompt's history
+                fork = requests[fork_id]
+                self.rows[fork_id] = Row(self.store.fork(row.cache),
+                                         make_sampler_state(fork.params, self.loaded.vocab_size), fork.params)
+            for request_id in (chunk.request_id, *chunk.forks):
+                if requests[request_id].params.max_tokens > 0:
+                    out[request_id] = logits[k]
 
     def _decode(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
                 out: dict[RequestId, mx.array], after: Dispatched | None = None) -> None:

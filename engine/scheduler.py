@@ -63,13 +63,16 @@ class SchedulerConfig:
     count one each); prompt chunks of at most ``prefill_chunk_size`` tokens; reservations
     within ``kv_budget_bytes`` (None: no byte limit); ``async_scheduling``: in steady decode the
     engine builds and launches the next step from this step's sampled tokens (still on the
-    device) before it reads them back, so the host's work overlaps the device's (``Engine.step``)."""
+    device) before it reads them back, so the host's work overlaps the device's (``Engine.step``);
+    ``batch_prefill``: a step's prompt chunks of similar lengths run in one forward
+    (``ModelRunner``; False runs each in its own)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     prefill_chunk_size: int = 512
     kv_budget_bytes: int | None = None
     async_scheduling: bool = False  # the engine launches step N+1 before reading step N back
+    batch_prefill: bool = True  # prompt chunks of several rows in one forward
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.prefill_chunk_size < 1:

@@ -95,6 +95,43 @@ class BatchRows(_BaseCache):
         raise NotImplementedError("a batch has no state of its own: save its rows")
 
 
+class ChunkRows(BatchRows):
+    """Prompt chunks of several rows of one layer in one forward, right-padded to the longest:
+    row b's chunk is the first ``lengths[b]`` positions of the batch (the rest is padding, never
+    written nor attended). ``offset`` is each row's before the chunk (RoPE positions follow from
+    it); ``make_mask`` asks each row for its own chunk's mask; each row's attention sees exactly
+    the keys its own cache returns (``batch_attention`` pads its output back).
+
+    Rows in shared storage (the baselines' slots) are read back after every row has written:
+    a view of the buffers taken between two rows' writes would make MLX copy the whole buffer at
+    the next write, where reading the last version lets every write update it in place."""
+
+    def __init__(self, rows: Iterable[Any], lengths: Sequence[int]) -> None:
+        super().__init__(rows)
+        self.lengths = [int(n) for n in lengths]
+        if len(self.lengths) != len(self.rows) or min(self.lengths, default=1) < 1:
+            raise ValueError("one chunk length >= 1 per row")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        if keys.shape[0] != len(self.rows):
+            raise ValueError(f"{keys.shape[0]} rows of keys for a batch of {len(self.rows)}")
+        if keys.shape[2] < max(self.lengths):
+            raise ValueError(f"{keys.shape[2]} positions for a chunk of {max(self.lengths)} tokens")
+        fetched = [row.update_and_fetch(keys[b: b + 1, :, :n], values[b: b + 1, :, :n])
+                   for b, (row, n) in enumerate(zip(self.rows, self.lengths))]
+        self.fetched = [row.fetch() if hasattr(row, "fetch") else got for row, got in zip(self.rows, fetched)]
+        return self, self
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if N < max(self.lengths):
+            raise ValueError(f"a mask of {N} positions for a chunk of {max(self.lengths)} tokens")
+        return RowMasks(tuple(row.make_mask(n, return_array=return_array, window_size=window_size)
+                              for row, n in zip(self.rows, self.lengths)))
+
+    def filter(self, keep: Sequence[int]) -> None:
+        raise NotImplementedError("a chunk batch lives for one forward")
+
+
 class BatchKVarNKVCache(BatchRows):
     row_type = KVarNKVCache
 
@@ -134,6 +171,13 @@ def batch_attention(attend: Any, queries: mx.array, cache: BatchRows, scale: flo
     if len(cache.fetched) != len(cache.rows):
         raise RuntimeError("batch attention before update_and_fetch")
     masks = mask.masks if isinstance(mask, RowMasks) else (mask,) * len(cache.rows)
+    if isinstance(cache, ChunkRows):  # each row's own positions; its padding attends nothing (zeros)
+        L = queries.shape[2]
+        outs = []
+        for b, (row, n, (keys, values)) in enumerate(zip(cache.rows, cache.lengths, cache.fetched)):
+            out = attend(queries[b: b + 1, :, :n], keys, values, row, scale, masks[b], sinks)
+            outs.append(out if n == L else mx.pad(out, [(0, 0), (0, 0), (0, L - n), (0, 0)]))
+        return mx.concatenate(outs, axis=0)
     outs = [attend(queries[b: b + 1], keys, values, row, scale, masks[b], sinks)
             for b, (row, (keys, values)) in enumerate(zip(cache.rows, cache.fetched))]
     return mx.concatenate(outs, axis=0)

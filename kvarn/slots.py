@@ -306,6 +306,11 @@ class SlotRow(_BaseCache):
         self._check_room(keys.shape[2])
         self.store._write(self.slot, self.offset, self.store._encode(keys, values))
         self.offset += keys.shape[2]
+        return self.fetch()
+
+    def fetch(self) -> tuple[Leg, Leg]:
+        """The row's history [1, H, offset, D] as the buffers hold it now (views, valid until
+        the next write to the store)."""
         return self.store._legs(self.store._read(self.slot, self.slot + 1, self.offset))
 
     def load(self, keys: Leg, values: Leg, offset: int | None = None) -> None:
@@ -341,8 +346,9 @@ class SlotRow(_BaseCache):
             return None, None
         return self.store._legs(self.store._read(self.slot, self.slot + 1, self.capacity))
 
-    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
-        return create_attention_mask(*args, offset=self.offset, **kwargs)
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return create_attention_mask(N, offset=self.offset, return_array=return_array,
+                                     window_size=window_size)
 
     def size(self) -> int:
         return self.offset

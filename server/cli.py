@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="in steady decode, launch the next step from this step's sampled tokens before "
                             "reading them back, so the host's work overlaps the device's (a row that stops on "
                             "EOS or a stop string runs one token more on the device, dropped; docs/engine.md)")
+    serve.add_argument("--no-batch-prefill", action="store_true",
+                       help="run each prompt chunk in its own forward (by default a step's chunks of similar "
+                            "lengths run together, right-padded; docs/engine.md)")
     serve.add_argument("--kv-budget-bytes", type=_size, default=None, metavar="BYTES",
                        help="KV cache budget that admission works within (suffixes K/M/G/KiB/MiB/GiB; default: "
                             "half the machine's memory less the weights, printed at start); a request reserves "
@@ -331,7 +334,8 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
 
     try:
         scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size,
-                                    args.kv_budget_bytes, async_scheduling=args.async_scheduling)
+                                    args.kv_budget_bytes, async_scheduling=args.async_scheduling,
+                                    batch_prefill=not args.no_batch_prefill)
     except ValueError as exc:
         raise SystemExit(f"kvarn serve: {exc}") from exc
     if args.max_queue < 0:

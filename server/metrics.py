@@ -22,6 +22,13 @@ PREFIX_CACHE_COUNTERS = (
     ("kvarn_prefix_cache_disk_errors", "apc_disk_errors", "Disk tier errors (a bad or unreadable block file is a "
                                                           "miss, removed and counted here)"),
 )
+# The engine's prompt forwards, from the same stats: how many forwards ran prompt chunks and how
+# many chunks they ran (chunks over forwards is how many rows' chunks a forward batched on average).
+ENGINE_COUNTERS = (
+    ("kvarn_prefill_forwards", "prefill_forwards", "Forwards that ran prompt chunks (one forward runs the chunks "
+                                                   "of one or more rows together)"),
+    ("kvarn_prefill_chunks", "prefill_chunks", "Prompt chunks run"),
+)
 PREFIX_CACHE_GAUGES = (
     ("kvarn_prefix_cache_memory_bytes", "apc_memory_bytes", "Bytes held by the prefix cache's memory tier"),
     ("kvarn_prefix_cache_memory_budget_bytes", "apc_memory_budget_bytes",
@@ -30,8 +37,9 @@ PREFIX_CACHE_GAUGES = (
 )
 
 
-class PrefixCacheCollector(Collector):
-    """The prefix cache's counters and gauges, from one ``stats()`` call per scrape."""
+class StatsCollector(Collector):
+    """The prefix cache's counters and gauges and the engine's prompt forward counters, from one
+    ``stats()`` call per scrape."""
 
     def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
         self._stats = stats
@@ -44,7 +52,7 @@ class PrefixCacheCollector(Collector):
 
     @staticmethod
     def _families(stats: dict[str, int]) -> Iterator[Metric]:
-        for name, key, doc in PREFIX_CACHE_COUNTERS:
+        for name, key, doc in (*PREFIX_CACHE_COUNTERS, *ENGINE_COUNTERS):
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
         for name, key, doc in PREFIX_CACHE_GAUGES:
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
@@ -80,4 +88,4 @@ class Metrics:
                                ("kvarn_mlx_peak_memory_bytes", "mlx_peak_bytes",
                                 "The most MLX memory active at once since the server started (bytes)")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))
-        r.register(PrefixCacheCollector(stats))
+        r.register(StatsCollector(stats))

@@ -107,6 +107,7 @@ def test_metrics_count_a_request_exactly(http: httpx.Client) -> None:
     assert delta("kvarn_generation_tokens_total") == 7
     assert delta("kvarn_time_to_first_token_seconds_count") == 1
     assert delta("kvarn_request_latency_seconds_count") == 1
+    assert delta("kvarn_prefill_chunks_total") == 1 and delta("kvarn_prefill_forwards_total") == 1  # one chunk
     assert after[("kvarn_num_requests_running", ())] == 0
     assert after[("kvarn_num_requests_waiting", ())] == 0
     assert after[("kvarn_kv_cache_bytes", ())] == 0
