@@ -146,14 +146,16 @@ class OutputParser:
                 self._add_content(out, piece)
         return out
 
-    def finish(self) -> ParsedDelta:
+    def finish(self, truncated: bool = False) -> ParsedDelta:
         """What is left at the end: text held back as a possible marker, an unclosed call
-        (read if it parses: a format without an end marker ends at the end of the text)."""
+        (read if it parses: a format without an end marker ends at the end of the text). When
+        the text was ``truncated`` (``max_tokens``), an unclosed call that does not parse is a
+        call cut short, not content: it is dropped (the choice's finish says ``length``)."""
         self._state, rest, state = TextStateMachine.flush(self._state)
         out = ParsedDelta()
         if state == _TOOL:
             self._tool_text += rest
-            self._close_call(out, closed=False)
+            self._close_call(out, closed=False, drop_unread=truncated)
         elif state == _REASONING:
             out.reasoning += rest
         else:
@@ -169,9 +171,12 @@ class OutputParser:
         out.content += body
         self._held = text[len(body):]
 
-    def _close_call(self, out: ParsedDelta, closed: bool = True) -> None:
+    def _close_call(self, out: ParsedDelta, closed: bool = True, drop_unread: bool = False) -> None:
         text, self._tool_text = self._tool_text, ""
         calls = self._read(text)
+        if calls is None and drop_unread:
+            logger.debug("a tool call cut short by max_tokens was dropped (%d characters)", len(text))
+            return
         if calls is None:  # not a call after all: the text goes back, as the model wrote it
             start, end = self._markers
             self._add_content(out, start + text + (end if closed else ""))

@@ -39,9 +39,12 @@ def special_texts(tokenizer: Any) -> tuple[str, ...]:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None, parse_special: bool = False) -> list[int]:
-    """The prompt tokens of ``messages`` through the model's chat template (module docstring)."""
-    extra = {"tools": tools} if tools else {}
+                    tools: list[dict[str, Any]] | None = None, parse_special: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt tokens of ``messages`` through the model's chat template (module docstring);
+    ``template_kwargs`` are extra variables of the template (``enable_thinking``: the server
+    checks that none overrides the template's own arguments)."""
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     specials = special_texts(tokenizer)
     contents = [m.get("content") for m in messages]
     forged = any(isinstance(c, str) and any(s in c for s in specials) for c in contents)

@@ -22,6 +22,8 @@ from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
 from server.openapi import install_openapi
+from server.messages import router as messages_router
+from server.responses_api import router as responses_router
 from server.routes import router
 from server.security import SecurityMiddleware
 
@@ -54,6 +56,8 @@ def create_app(config: ServerConfig, client: EngineClient | None = None) -> Fast
     app.state.metrics = Metrics(engine_client.stats)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(messages_router)
+    app.include_router(responses_router)
     install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.allowed_origins:

@@ -68,14 +68,15 @@ class ChoiceText:
     max_calls: int | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
 
-    def feed(self, text: str, finished: bool) -> ParsedDelta:
+    def feed(self, text: str, finished: bool, truncated: bool = False) -> ParsedDelta:
         """What ``text`` adds (and, at the end, what the parser still held), calls past
-        ``max_calls`` left out."""
+        ``max_calls`` left out; ``truncated``: the choice ended at ``max_tokens``, so a call it
+        was still writing is dropped, never shown as content."""
         if self.parser is None:
             return ParsedDelta(content=text)
         parsed = self.parser.feed(text)
         if finished:
-            parsed.extend(self.parser.finish())
+            parsed.extend(self.parser.finish(truncated))
         room = None if self.max_calls is None else max(self.max_calls - len(self.calls), 0)
         parsed.calls = parsed.calls[:room]
         self.calls.extend(_entry(call) for call in parsed.calls)

@@ -41,11 +41,32 @@ def check_unsupported(body: _Sampling) -> None:
                            code="invalid_value")
 
 
+# the chat template's own arguments, which chat_template_kwargs must not override
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                                 "tokenize", "return_dict", "return_tensors", "chat_template", "padding",
+                                 "truncation", "max_length", "tokenizer_kwargs"})
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's extra variables: ``chat_template_kwargs`` as sent (vLLM's field), with
+    ``enable_thinking`` from ``reasoning_effort`` when they do not set it themselves ("none":
+    off, any other effort: on). A key that would override the template's own arguments is a 400."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = sorted(_TEMPLATE_ARGUMENTS.intersection(kwargs))
+    if reserved:
+        raise APIError(400, f"Invalid value for 'chat_template_kwargs': '{reserved[0]}' is an argument of the chat "
+                            f"template itself and cannot be set here.", param="chat_template_kwargs",
+                       code="invalid_value")
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", body.reasoning_effort != "none")
+    return kwargs
+
+
 def chat_prompt_ids(body: ChatCompletionRequest, client: EngineClient,
                     tools: list[dict[str, Any]] | None = None) -> list[int]:
-    messages = template_messages(body)
+    messages, kwargs = template_messages(body), template_kwargs(body)
     try:
-        return client.apply_chat_template(messages, tools=tools)
+        return client.apply_chat_template(messages, tools=tools, template_kwargs=kwargs)
     except Exception as exc:  # the model's own template refused the conversation
         raise APIError(400, f"The chat template could not render these messages: {exc}", param="messages",
                        code="invalid_messages") from exc
@@ -63,7 +84,8 @@ def system_prompt_end(body: ChatCompletionRequest, prompt_ids: list[int], client
     if messages[0]["role"] != "system":
         return ()
     try:
-        system_ids = client.apply_chat_template(messages[:1], add_generation_prompt=False, tools=tools)
+        system_ids = client.apply_chat_template(messages[:1], add_generation_prompt=False, tools=tools,
+                                                template_kwargs=template_kwargs(body))
     except Exception:  # noqa: BLE001 - a hint only: the request goes on without it
         logger.debug("the system prompt could not be rendered alone; no snapshot", exc_info=True)
         return ()

@@ -161,7 +161,8 @@ def full_response(jobs: Sequence[Job], choices: Sequence[Collected]) -> dict[str
         if job.kind == "chat":
             lp = chat_logprobs(entries) if job.params.logprobs else None
             split = job.choice_format.start()
-            message = split.message(split.feed(collected.text, finished=True))
+            message = split.message(split.feed(collected.text, finished=True,
+                                                        truncated=last.finish_reason is FinishReason.LENGTH))
             bodies.append({"index": index, "message": message, "logprobs": lp,
                            "finish_reason": split.finish_name(last.finish_reason, finish)})
         else:

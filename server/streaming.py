@@ -28,7 +28,7 @@ T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.1
 
 
-def _observe(job: Job, metrics: Metrics, finish: FinishReason | None, num_tokens: int, cached_tokens: int) -> None:
+def observe(job: Job, metrics: Metrics, finish: FinishReason | None, num_tokens: int, cached_tokens: int) -> None:
     metrics.requests.labels(job.kind, finish_name(finish) or "disconnect").inc()
     metrics.generation_tokens.inc(num_tokens)
     metrics.cached_prompt_tokens.inc(cached_tokens)
@@ -40,7 +40,7 @@ def _generate(job: Job, client: EngineClient) -> AsyncIterator[RequestOutput]:
                            cache_salt=job.cache_salt, snapshot_at=job.snapshot_at)
 
 
-async def _outputs(jobs: Sequence[Job], client: EngineClient) -> AsyncIterator[tuple[Job, RequestOutput]]:
+async def outputs(jobs: Sequence[Job], client: EngineClient) -> AsyncIterator[tuple[Job, RequestOutput]]:
     """Every job's outputs as they come (a list of prompts runs as one engine request each, side
     by side). Leaving early cancels them all, which aborts them inside the engine."""
     if len(jobs) == 1:
@@ -75,9 +75,10 @@ async def _outputs(jobs: Sequence[Job], client: EngineClient) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def respond(jobs: list[Job], stream: bool, request: Request) -> Any:
-    """Admit every job at the front door (before any byte of a stream goes out, so refusals get
-    their own status; a refusal lets go of the jobs admitted before it), then stream or collect."""
+async def admit(jobs: Sequence[Job], request: Request) -> None:
+    """Admit every job at the front door, before any byte of a response goes out (so a refusal
+    gets its own status); a refusal lets go of the jobs admitted before it and raises an
+    ``APIError`` (429 or 503 with ``Retry-After``)."""
     client, state = request.app.state.client, request.app.state
     try:
         for job in jobs:
@@ -89,6 +90,12 @@ async def respond(jobs: list[Job], stream: bool, request: Request) -> Any:
         state.metrics.rejected.labels(str(exc.status)).inc()
         raise APIError(exc.status, exc.message, code=exc.code,
                        headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else None) from exc
+
+
+async def respond(jobs: list[Job], stream: bool, request: Request) -> Any:
+    """Admit every job (``admit``), then stream or collect."""
+    await admit(jobs, request)
+    client, state = request.app.state.client, request.app.state
     if stream:
         return EventSourceResponse(stream_events(jobs, client, state.metrics), ping=15)
     return await collect(jobs, client, state.metrics, request)
@@ -112,7 +119,7 @@ async def stream_events(jobs: Sequence[Job], client: EngineClient, metrics: Metr
                     yield _event(chat_chunk(job, job.choice_format.role_delta(), None, None, index=index))
                 elif job.echo_text and job.params.prompt_logprobs is None:
                     yield _event(chunk(job, job.echo_text, None, None, index=job.choice_index(index)))
-        async for job, output in _outputs(jobs, client):
+        async for job, output in outputs(jobs, client):
             i = job.choice_index(output.index)
             if sum(tokens) == 0 and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
@@ -134,7 +141,8 @@ async def stream_events(jobs: Sequence[Job], client: EngineClient, metrics: Metr
             finish = finish_name(output.finish_reason)
             if splits:
                 split = splits[i]
-                deltas = split.deltas(split.feed(output.text, output.finished)) or \
+                deltas = split.deltas(split.feed(output.text, output.finished,
+                                                    output.finish_reason is FinishReason.LENGTH)) or \
                     ([{}] if logprobs or output.finished else [])
                 finish = split.finish_name(output.finish_reason, finish)
                 for k, delta in enumerate(deltas):  # logprobs with the first, the finish with the last
@@ -150,7 +158,7 @@ async def stream_events(jobs: Sequence[Job], client: EngineClient, metrics: Metr
         metrics.rejected.labels(str(exc.status)).inc()
         yield _event(error_body(exc.status, exc.message, code=exc.code))
     finally:
-        _observe(job0, metrics, _overall(finishes), sum(tokens), sum(cached))
+        observe(job0, metrics, _overall(finishes), sum(tokens), sum(cached))
 
 
 def _overall(finishes: list[FinishReason | None]) -> FinishReason | None:
@@ -171,7 +179,7 @@ async def collect(jobs: Sequence[Job], client: EngineClient, metrics: Metrics, r
 
     async def run() -> None:
         first = True
-        async for job, output in _outputs(jobs, client):
+        async for job, output in outputs(jobs, client):
             if first and output.token_ids:
                 metrics.ttft.observe(time.monotonic() - job.arrival)
                 first = False
@@ -187,7 +195,7 @@ async def collect(jobs: Sequence[Job], client: EngineClient, metrics: Metrics, r
         lasts = [c.last for c in choices if c.last is not None]
         cached = [max((c.last.num_cached_tokens for c in choices[k * job0.n:(k + 1) * job0.n] if c.last), default=0)
                   for k in range(len(jobs))]
-        _observe(job0, metrics, _overall([c.last.finish_reason if c.last else None for c in choices]),
+        observe(job0, metrics, _overall([c.last.finish_reason if c.last else None for c in choices]),
                  sum(last.num_output_tokens for last in lasts), sum(cached))
     errors = [c.last.error for c in choices if c.last is not None and c.last.error is not None]
     if errors:
