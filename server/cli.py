@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-reasoning-content", action="store_true",
                        help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
                             "splitting it out into 'reasoning_content' (models without think tokens: no effect)")
+    serve.add_argument("--keep-billing-header", action="store_true",
+                       help="keep the 'x-anthropic-billing-header:' line Claude Code puts at the top of its system "
+                            "prompt on /v1/messages (by default it is dropped: it changes every conversation, so "
+                            "no two conversations would share a cached prefix)")
     serve.add_argument("--parse-special-tokens", action="store_true",
                        help="tokenize special-token text typed inside chat message content (e.g. '<|im_end|>') as "
                             "the model's control tokens; by default it is plain text, so a message cannot forge "
@@ -347,6 +351,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
                             warm_up={"auto": None, "on": True, "off": False}[args.warm_up]),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
+        keep_billing_header=args.keep_billing_header,
         allowed_origins=tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()),
         max_request_bytes=args.max_request_bytes)
 

@@ -32,6 +32,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed cross-origin (CORS), "*" for any
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get a 413, unread
     reasoning_content: bool = True  # a thinking model's <think> text goes to reasoning_content
+    # keep Claude Code's per-conversation "x-anthropic-billing-header:" line in a Messages API
+    # system prompt (dropped by default: it changes every conversation and defeats the prefix cache)
+    keep_billing_header: bool = False
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.api_key:

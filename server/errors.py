@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.anthropic_errors import anthropic_error_body, anthropic_status, is_messages_path
+
 logger = logging.getLogger(__name__)
 
 _TYPE_BY_STATUS = {
@@ -50,7 +52,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: dict[str, str] | None = None, path: str | None = None) -> JSONResponse:
+    """The error as JSON: in Anthropic's shape and statuses when ``path`` is a Messages API route."""
+    if path is not None and is_messages_path(path):
+        status = anthropic_status(status)
+        return JSONResponse(anthropic_error_body(status, _text(message) or ""), status_code=status, headers=headers)
     return JSONResponse(error_body(status, _text(message), _text(param), code), status_code=status, headers=headers)
 
 
@@ -97,8 +103,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -106,22 +112,25 @@ def install_error_handlers(app: FastAPI) -> None:
             kind = request.headers.get("content-type")
             given = f"Unsupported Content-Type {kind[:100]!r}" if kind else "No Content-Type"
             return error_response(415, f"{given}: this route takes a JSON body; send it with 'Content-Type: "
-                                       "application/json'.", code="unsupported_media_type")
+                                       "application/json'.", code="unsupported_media_type", path=request.url.path)
         message, param = _describe_validation(exc)
-        return error_response(400, message, param, "invalid_value" if param else "invalid_request")
+        return error_response(400, message, param, "invalid_value" if param else "invalid_request",
+                              path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "Not found: no such route."
         if exc.status_code == 400 and message == _FASTAPI_BODY_ERROR:  # json.loads raised, but not a decode error
             return error_response(400, "Invalid JSON body: the request body could not be parsed as JSON (nested too "
-                                       "deeply, a number too long, or not UTF-8).", code="invalid_request")
+                                       "deeply, a number too long, or not UTF-8).", code="invalid_request",
+                                  path=request.url.path)
         return error_response(exc.status_code, message, code=getattr(exc, "code", None),
-                              headers=getattr(exc, "headers", None))
+                              headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(500, "The server had an error while processing your request.", code="internal_error")
+        return error_response(500, "The server had an error while processing your request.", code="internal_error",
+                              path=request.url.path)

@@ -3,8 +3,8 @@
 ``BodyLimitMiddleware`` refuses a request whose ``Content-Length`` is over the limit before any
 of its body is read, and counts the bytes of every body as they arrive (chunked bodies too), so
 a body that grows past the limit is refused at that chunk. Either way the answer is a 413 in
-OpenAI's error shape. Once a request that sent a large body is done, malloc's free pages go back
-to the OS (JSON parsing and tokenizing a large body leave them in its arenas). ``check_text_bound`` refuses a prompt whose text cannot fit the context
+OpenAI's error shape (Anthropic's on the Messages API's paths). Once a request that sent a large
+body is done, malloc's free pages go back to the OS (JSON parsing and tokenizing a large body leave them in its arenas). ``check_text_bound`` refuses a prompt whose text cannot fit the context
 before it is tokenized (tokenizing runs off the event loop, but still costs a core).
 """
 
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from engine.memory import trim_host_memory
 
+from server.anthropic_errors import anthropic_error_body, is_messages_path
 from server.errors import APIError, error_body
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -54,7 +55,7 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope.get("headers", ()))
         if declared is not None and declared > self.max_bytes:
-            await _reply_too_large(send, self.max_bytes)  # not one byte of the body is read
+            await _reply_too_large(send, self.max_bytes, scope.get("path", ""))  # not one byte of the body is read
             return
         received = 0
         started = False
@@ -78,7 +79,7 @@ class BodyLimitMiddleware:
         except BodyTooLarge:  # read outside a route (a route's own handler answers it there)
             if started:
                 raise
-            await _reply_too_large(send, self.max_bytes)
+            await _reply_too_large(send, self.max_bytes, scope.get("path", ""))
         finally:
             if received >= TRIM_AFTER_BYTES:
                 await asyncio.to_thread(trim_host_memory)
@@ -94,8 +95,11 @@ def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     return None
 
 
-async def _reply_too_large(send: Any, limit: int) -> None:
-    payload = json.dumps(error_body(413, too_large_message(limit), code=BodyTooLarge.code)).encode()
+async def _reply_too_large(send: Any, limit: int, path: str) -> None:
+    message = too_large_message(limit)
+    body = anthropic_error_body(413, message) if is_messages_path(path) else \
+        error_body(413, message, code=BodyTooLarge.code)
+    payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                             (b"connection", b"close")]})

@@ -1,4 +1,5 @@
-"""The HTTP routes: OpenAI's chat and completions, models, the prefix cache, health and metrics."""
+"""The HTTP routes: OpenAI's chat and completions, models, the prefix cache, health and metrics (and
+``/``, which names the server)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ from server.streaming import respond
 
 router = APIRouter()
 _STARTED = int(time.time())
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root(request: Request) -> JSONResponse:
+    """What this server is (clients such as Claude Code probe ``HEAD /`` before their first request)."""
+    return JSONResponse({"name": "kvarn", "version": request.app.version})
 
 
 @router.get("/health")

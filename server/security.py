@@ -9,8 +9,11 @@ In this order:
    page elsewhere cannot make the browser POST to the server (a form POST needs no preflight).
    Clients that are not browsers send no ``Origin`` and are not concerned.
 3. With an API key, ``/v1/*``, ``/docs``, ``/redoc`` and ``/openapi.json`` need
-   ``Authorization: Bearer <key>``; CORS preflights from allowed origins pass (browsers never send
-   credentials with them), and Starlette's CORS middleware behind this one answers them.
+   ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header); CORS preflights
+   from allowed origins pass (browsers never send credentials with them), and Starlette's CORS
+   middleware behind this one answers them.
+
+On the Messages API's paths the refusals are in Anthropic's error shape (server/anthropic_errors.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 from typing import Any
 from urllib.parse import urlsplit
 
+from server.anthropic_errors import anthropic_error_body, is_messages_path
 from server.config import ServerConfig, is_loopback
 from server.errors import error_body
 
@@ -70,33 +74,44 @@ class SecurityMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
         if self.check_host and _host_name(headers.get("host", "")) not in self.allowed:
-            await _reply(send, 403, error_body(403, "Host header not allowed: the server is bound to loopback "
-                                                    "and only answers loopback host names.", code="host_not_allowed"))
+            await _reply(send, 403, _error(path, 403, "Host header not allowed: the server is bound to loopback and "
+                                                      "only answers loopback host names.", "host_not_allowed"))
             return
         origin = headers.get("origin")
         allowed_origin = origin is not None and self._is_allowed_origin(origin)
         method = scope.get("method", "GET")
         if origin is not None and method not in _SAFE_METHODS and not allowed_origin \
                 and _origin_authority(origin) != _host_authority(headers.get("host", ""), scope.get("scheme", "http")):
-            await _reply(send, 403, error_body(403, "Cross-origin request refused: this Origin is not the server's "
-                                                    "own and not in kvarn serve --allowed-origins.",
-                                               code="origin_not_allowed"))
+            await _reply(send, 403, _error(path, 403, "Cross-origin request refused: this Origin is not the server's "
+                                                      "own and not in kvarn serve --allowed-origins.",
+                                           "origin_not_allowed"))
             return
         preflight = method == "OPTIONS" and allowed_origin and "access-control-request-method" in headers
-        if self.api_key and not preflight and scope.get("path", "").startswith(_KEYED_PREFIXES):
-            token = headers.get("authorization", "")
-            scheme, _, given = token.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-                cors = {"access-control-allow-origin": origin, "vary": "Origin"} if allowed_origin and origin else {}
-                await _reply(send, 401, error_body(401, "Incorrect or missing API key. Send it as "
-                                                        "'Authorization: Bearer <key>'.", code="invalid_api_key"),
-                             {"www-authenticate": "Bearer", **cors})
-                return
+        if self.api_key and not preflight and path.startswith(_KEYED_PREFIXES) and not self._has_key(headers):
+            cors = {"access-control-allow-origin": origin, "vary": "Origin"} if allowed_origin and origin else {}
+            await _reply(send, 401, _error(path, 401, "Incorrect or missing API key. Send it as 'Authorization: "
+                                                      "Bearer <key>' or 'x-api-key: <key>'.", "invalid_api_key"),
+                         {"www-authenticate": "Bearer", **cors})
+            return
         await self.app(scope, receive, send)
+
+    def _has_key(self, headers: dict[str, str]) -> bool:
+        """Whether the request carries the API key, as a bearer token or in ``x-api-key``."""
+        key = (self.api_key or "").encode()
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        bearer = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key)
+        header = "x-api-key" in headers and hmac.compare_digest(headers["x-api-key"].strip().encode(), key)
+        return bearer or header
 
     def _is_allowed_origin(self, origin: str) -> bool:
         return self.any_origin or origin.strip().lower().rstrip("/") in self.origins
+
+
+def _error(path: str, status: int, message: str, code: str) -> dict[str, Any]:
+    """A refusal's body: Anthropic's shape on the Messages API's paths, OpenAI's elsewhere."""
+    return anthropic_error_body(status, message) if is_messages_path(path) else error_body(status, message, code=code)
 
 
 async def _reply(send: Any, status: int, body: dict[str, Any], extra: dict[str, str] | None = None) -> None:
