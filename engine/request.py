@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NewType
+from typing import TYPE_CHECKING, NewType
 
 if TYPE_CHECKING:
     from engine.constraints import Constraint
@@ -90,8 +90,6 @@ class Request:
     cache_salt: str | None = None  # the prefix cache serves only blocks cached under the same salt
     snapshot_at: tuple[int, ...] = ()  # prompt lengths worth a whole-row snapshot (checkpoint tier)
     num_cached_tokens: int = 0  # prompt tokens restored from the prefix cache
-    looked_up: bool = False  # the prefix cache was asked (once, at admission)
-    prefix_hit: Any = None  # what that lookup found, until the request's first chunk carries it
 
     @property
     def num_prompt_tokens(self) -> int:
