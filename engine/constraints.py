@@ -79,13 +79,16 @@ class GrammarSpec:
 
     @staticmethod
     def json_schema(schema: Any) -> GrammarSpec:
-        """Output one JSON value valid under ``schema`` (a JSON Schema object: a dict)."""
+        """Output one JSON value valid under ``schema`` (a JSON Schema object: a dict), its
+        objects closed as ``closed_schema`` says."""
         if not isinstance(schema, dict):
             raise ConstraintError("The JSON schema must be a JSON object.")
         try:
-            return GrammarSpec("json_schema", json.dumps(schema, allow_nan=False))
+            return GrammarSpec("json_schema", json.dumps(closed_schema(schema), allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise ConstraintError(f"The JSON schema is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise ConstraintError("The JSON schema is nested too deeply.") from exc
 
     @staticmethod
     def json_object() -> GrammarSpec:
@@ -127,6 +130,96 @@ def tagged_json_lark(schema: dict[str, Any], begin: str, end: str, separator: st
     repeat = "*" if max_count is None else f"{{0,{max_count - 1}}}"
     rest = f" ({json.dumps(separator)} item){repeat}" if max_count != 1 else ""
     return f"start: item{rest}\nitem: {json.dumps(begin)} %json {body} {json.dumps(end)}\n"
+
+
+# keywords that let an object hold keys beyond ``properties`` (an object saying any of them is left as it is)
+_OPEN_KEYWORDS = ("additionalProperties", "unevaluatedProperties", "patternProperties")
+# keywords applied together with the schema beside them: their keys may belong to it, and its keys to them
+_CONJUNCTIVE = ("allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "dependentSchemas")
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_VALUES = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+                  "contains", "not", "then", "else")
+_DEFS = ("$defs", "definitions")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of ``schema`` whose object schemas are closed: one that lists ``properties`` and
+    says nothing of ``additionalProperties``, ``unevaluatedProperties`` or ``patternProperties``
+    gets ``additionalProperties: false`` (no key beyond its properties, so no duplicate either:
+    llguidance writes a closed object's keys in schema order, each at most once). vLLM's default
+    backend reads such schemas the same way; llguidance would otherwise let a model add keys
+    until ``max_tokens``. Objects nested anywhere are closed (``properties``, ``items``,
+    ``prefixItems``, ``anyOf``/``oneOf`` branches, ``$defs``/``definitions``, schema-valued
+    ``additionalProperties``, ``not``, ``then``/``else``, ``dependentSchemas``...), except where
+    closing would refuse keys the schema allows: an object beside ``allOf``, ``anyOf``, ``oneOf``,
+    ``$ref``, ``if``/``then``/``else`` or ``dependentSchemas`` (those may bring keys of their own),
+    the branches of an ``allOf`` with several branches, ``then``/``else`` and ``dependentSchemas``
+    (applied together with their parent) and the schemas such a branch names by a local ``$ref``. An ``if``
+    is a condition, left as it is; an object without ``properties`` stays free-form. The input is
+    never modified."""
+    if not isinstance(schema, dict):
+        return schema
+    open_refs: set[str] = set()
+    _collect_conjunctive_refs(schema, open_refs)
+    return _close(schema, open_refs, conjunct=False)
+
+
+def _conjunctive_branches(schema: dict[str, Any]) -> list[Any]:
+    """The subschemas applied together with ``schema``'s own keys (each must allow the others' keys)."""
+    branches: list[Any] = []
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        branches += schema["allOf"]
+    if "properties" in schema:
+        branches += [b for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list) for b in schema[key]]
+    branches += [schema[key] for key in ("then", "else") if key in schema]
+    if isinstance(schema.get("dependentSchemas"), dict):
+        branches += list(schema["dependentSchemas"].values())
+    return branches
+
+
+def _subschemas(schema: dict[str, Any]) -> list[Any]:
+    """Every schema directly inside ``schema`` that ``_close`` walks (``if`` is not walked)."""
+    subs = [schema[key] for key in _SCHEMA_VALUES if isinstance(schema.get(key), dict)]
+    subs += [sub for key in (*_SCHEMA_MAPS, *_DEFS) if isinstance(schema.get(key), dict) for sub in schema[key].values()]
+    subs += [sub for key in (*_SCHEMA_LISTS, "items") if isinstance(schema.get(key), list) for sub in schema[key]]
+    return subs
+
+
+def _collect_conjunctive_refs(schema: Any, refs: set[str]) -> None:
+    """The ``$ref`` targets named by branches applied together with their parent."""
+    if not isinstance(schema, dict):
+        return
+    refs.update(b["$ref"] for b in _conjunctive_branches(schema) if isinstance(b, dict) and isinstance(b.get("$ref"), str))
+    for sub in _subschemas(schema):
+        _collect_conjunctive_refs(sub, refs)
+
+
+def _close(schema: Any, open_refs: set[str], *, conjunct: bool, path: str = "#") -> Any:
+    """``schema`` (at JSON pointer ``path``) closed; ``conjunct``: applied together with its
+    parent, so its own keys stay open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    together = {id(b) for b in _conjunctive_branches(schema)}
+
+    def sub(value: Any, *keys: str | int) -> Any:
+        at = path + "".join("/" + str(k).replace("~", "~0").replace("/", "~1") for k in keys)
+        return _close(value, open_refs, conjunct=id(value) in together or at in open_refs, path=at)
+
+    for key in _SCHEMA_VALUES:
+        if isinstance(schema.get(key), dict):
+            out[key] = sub(schema[key], key)
+    for key in (*_SCHEMA_MAPS, *_DEFS):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: sub(value, key, name) for name, value in schema[key].items()}
+    for key in (*_SCHEMA_LISTS, "items"):  # "items" as a list: draft 4-7 tuples
+        if isinstance(schema.get(key), list):
+            out[key] = [sub(value, key, i) for i, value in enumerate(schema[key])]
+    is_open = any(key in schema for key in (*_OPEN_KEYWORDS, *_CONJUNCTIVE))
+    if not conjunct and not is_open and isinstance(schema.get("properties"), dict):
+        out["additionalProperties"] = False
+    return out
 
 
 @dataclass(frozen=True, eq=False)
