@@ -11,13 +11,15 @@ SHA-256 truncated to 16 bytes over every byte before it (magic, header, layout a
 alike: a flipped bit anywhere is caught; SHA-256 because CPUs hash it in hardware, 1.4 GB/s here
 against BLAKE2b's 0.6), and header and layout are validated field by field (types, dtypes,
 ranges, and every part's byte count equal to its shape's) before anything is trusted. Files are written by a background thread (callers never wait on the disk) to a
-temporary name and renamed into place, so a file is whole or absent. The index is rebuilt from the
-headers at start; every read checks magic, stamp, key, tokens, sizes and checksum, and a file that
+temporary name of its own and renamed into place, so a file is whole or absent. The index is
+rebuilt from the headers at start, and a key it lacks is looked for on disk (another process
+sharing the folder may have written it: ``apc.disk_usage`` keeps the cap across processes); every read checks magic, stamp, key, tokens, sizes and checksum, and a file that
 fails any check is a miss, is removed and is counted (``stats.bad_files``); so is a file of an
 older format. Reads run on a reader thread of their own (``submit``): the engine thread never
 waits on the disk either; ``get_many`` reads and verifies a chain's files on a few threads at
-once (file reads and hashing release the GIL) and takes them in chain order up to the first miss. The folder's bytes stay
-under a cap, least recently used files first (access time is kept as the file's mtime). A full,
+once (file reads and hashing release the GIL) and takes them in chain order up to the first miss.
+A file removed under a reader is a miss, not a bad file. The folder's bytes stay under a cap,
+least recently used files first (access time is kept as the file's mtime). A full,
 read-only or otherwise failing disk turns the tier off with one warning: the cache goes on in
 memory.
 
@@ -38,7 +40,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from apc.disk_usage import SharedUsage
 
 logger = logging.getLogger(__name__)
 
@@ -214,10 +218,15 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: dict[bytes, tuple[int, float]] = {}  # key -> (bytes, last use)
         self._lengths: dict[bytes, int] = {}  # key -> how many tokens the file is for
-        self._queue: queue.Queue[tuple[bytes, int, bytes] | threading.Event | None] = queue.Queue()
+        self._queue: queue.Queue[tuple | threading.Event | None] = queue.Queue()
+        self._usage: SharedUsage | None = None
+        # what a replica tells routers (``apc.events``): a written block's note, keys removed
+        self.on_written: Callable[[Any], None] | None = None
+        self.on_removed: Callable[[list[bytes]], None] | None = None
         try:
             self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.folder, 0o700)
+            self._usage = SharedUsage(self.folder, SUFFIX)
             self._rebuild_index()
         except OSError as exc:
             self._disable(f"cannot use {self.folder}: {exc}")
@@ -245,13 +254,27 @@ class DiskTier:
                 continue
             self._index[key] = (stat.st_size, stat.st_mtime)
             self._lengths[key] = len(header.get("tokens", ()))
-        for tmp in self.folder.glob("*.tmp"):  # a write cut short by a crash
-            self._remove_bad(tmp)
-        self.stats.bytes = sum(size for size, _ in self._index.values())
+        # writes cut short by a crash (counted as bad files; recent ones may be another process's, live)
+        self.stats.bad_files += self._usage.remove_stale_tmp()
+        self.stats.bytes = self._usage.rescan()
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
-            return key in self._index
+            if key in self._index:
+                return True
+        return self._discover(key)
+
+    def _discover(self, key: bytes) -> bool:
+        """Whether another process sharing the folder wrote ``key`` (then it joins the index)."""
+        if not self.enabled:
+            return False
+        try:
+            stat = self._path(key).stat()
+        except OSError:
+            return False
+        with self._lock:
+            self._index.setdefault(key, (stat.st_size, stat.st_mtime))
+        return True
 
     def __len__(self) -> int:
         with self._lock:
@@ -269,11 +292,12 @@ class DiskTier:
         with self._lock:
             if not self.enabled:
                 return []
-            known = []
-            for key, tokens in blocks:
-                if key not in self._index:
-                    break
-                known.append((key, tokens))
+            indexed = [key in self._index for key, _ in blocks]
+        known = []
+        for (key, tokens), is_known in zip(blocks, indexed):
+            if not (is_known or self._discover(key)):
+                break
+            known.append((key, tokens))
         if len(known) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="kvarn-apc-read")
@@ -283,6 +307,11 @@ class DiskTier:
         found: list[list[Part]] = []
         for (key, _), (path, parts, exc) in zip(known, results):
             self.stats.reads += 1
+            if isinstance(exc, FileNotFoundError):  # removed meanwhile (an evictor, maybe another process's)
+                with self._lock:
+                    self._index.pop(key, None)
+                    self._lengths.pop(key, None)
+                break
             if parts is None:
                 logger.warning("prefix cache: bad block file %s (%s): removed", path.name, exc)
                 self._remove_bad(path, key)
@@ -319,12 +348,13 @@ class DiskTier:
                 logger.exception("prefix cache: a disk read job failed")
 
     # --- writing (background thread) ---
-    def put(self, key: bytes, tokens: tuple[int, ...], parts: list[Part]) -> None:
-        """Queue a block for writing (returns at once; an existing block is left as it is)."""
+    def put(self, key: bytes, tokens: tuple[int, ...], parts: list[Part], note: Any = None) -> None:
+        """Queue a block for writing (returns at once; an existing block is left as it is).
+        ``note``: handed to ``on_written`` once the block is on disk."""
         with self._lock:
             if not self.enabled or key in self._index:
                 return
-        self._queue.put((key, len(tokens), encode(self.stamp, key, tokens, parts)))
+        self._queue.put((key, len(tokens), encode(self.stamp, key, tokens, parts), note))
 
     def lengths(self) -> set[int]:
         """The token counts the files are for (the checkpoint tier looks snapshots up by length)."""
@@ -332,18 +362,24 @@ class DiskTier:
             return set(self._lengths.values())
 
     def clear(self) -> int:
-        """Remove every file (after the queued writes); returns the bytes released."""
+        """Remove every block file of the folder, whoever wrote it (after the queued writes);
+        returns the bytes released."""
         self.flush()
         with self._lock:
-            keys, released = list(self._index), self.stats.bytes
             self._index.clear()
             self._lengths.clear()
-            self.stats.bytes = 0
-        for key in keys:
-            try:
-                self._path(key).unlink(missing_ok=True)
-            except OSError:
-                pass
+        if self._usage is None:
+            return 0
+        with self._usage.locked():
+            released = 0
+            for path in self.folder.glob("*" + SUFFIX):
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                    released += size
+                except OSError:
+                    pass
+        self.stats.bytes = self._usage.rescan()
         return released
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -359,6 +395,8 @@ class DiskTier:
         self._reader.join(10)
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+        if self._usage is not None:
+            self._usage.close()
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -367,16 +405,18 @@ class DiskTier:
             elif self.enabled:
                 self._write(*item)
 
-    def _write(self, key: bytes, length: int, blob: bytes) -> None:
-        with self._lock:
-            if key in self._index:  # queued twice before its first write landed
-                return
-        if len(blob) > self.cap_bytes:
+    def _write(self, key: bytes, length: int, blob: bytes, note: Any) -> None:
+        if key in self or len(blob) > self.cap_bytes:  # queued twice, or another process wrote it
+            if key in self and note is not None and self.on_written is not None:
+                self.on_written(note)
             return
         path = self._path(key)
-        tmp = path.with_suffix(".tmp")
+        tmp = self._usage.tmp_path(key.hex())  # a name of its own: writers of one key never share one
+        reserved = False
         try:
-            self._make_room(len(blob))
+            self.stats.bytes, removed = self._usage.reserve(len(blob), self.cap_bytes)
+            reserved = True
+            self._forget_removed(removed)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
@@ -387,6 +427,8 @@ class DiskTier:
             self.stats.write_errors += 1
             try:
                 tmp.unlink(missing_ok=True)
+                if reserved:
+                    self._usage.release(len(blob))
             except OSError:
                 pass
             self._disable(f"writing {path.name} failed: {exc}")
@@ -394,20 +436,25 @@ class DiskTier:
         with self._lock:
             self._index[key] = (len(blob), _touch(path))
             self._lengths[key] = length
-            self.stats.bytes += len(blob)
         self.stats.writes += 1
+        if note is not None and self.on_written is not None:
+            self.on_written(note)
 
-    def _make_room(self, nbytes: int) -> None:
-        while True:
-            with self._lock:
-                if self.stats.bytes + nbytes <= self.cap_bytes or not self._index:
-                    return
-                victim = min(self._index, key=lambda k: self._index[k][1])
-                size, _ = self._index.pop(victim)
-                self._lengths.pop(victim, None)
-                self.stats.bytes -= size
-            self._path(victim).unlink(missing_ok=True)
-            self.stats.evicted += 1
+    def _forget_removed(self, removed: list[Path]) -> None:
+        """Files the byte budget removed (this process's or another's) leave the index."""
+        keys = []
+        for path in removed:
+            try:
+                keys.append(bytes.fromhex(path.stem))
+            except ValueError:
+                continue
+        with self._lock:
+            for key in keys:
+                self._index.pop(key, None)
+                self._lengths.pop(key, None)
+        self.stats.evicted += len(keys)
+        if keys and self.on_removed is not None:
+            self.on_removed(keys)
 
     # --- helpers ---
     def _path(self, key: bytes) -> Path:
@@ -416,13 +463,18 @@ class DiskTier:
     def _remove_bad(self, path: Path, key: bytes | None = None) -> None:
         self.stats.bad_files += 1
         with self._lock:
-            if key is not None and key in self._index:
-                self.stats.bytes -= self._index.pop(key)[0]
+            if key is not None:
+                self._index.pop(key, None)
                 self._lengths.pop(key, None)
         try:
-            path.unlink(missing_ok=True)
+            size = path.stat().st_size
+            path.unlink()
         except OSError:
-            pass
+            return
+        if self._usage is not None:
+            self._usage.release(size)
+        if key is not None and self.on_removed is not None:
+            self.on_removed([key])
 
     def _disable(self, why: str) -> None:
         with self._lock:

@@ -14,6 +14,9 @@ tier and the checkpoint tier behind a few calls:
 The memory tier is one of two with the same calls: ``MemoryTier`` (payload copies: the fp16 and
 affine baselines) or the engine's block-pool tier (KVarN blocks kept in the pool itself, shared
 by reference count: ``engine/pool_tier.py``). ``record(...)`` counts a hit the engine took.
+``set_events`` makes the exact tier tell routers what it holds (``apc.events``): blocks stored
+in memory (inserted, or read from disk) and written to disk, blocks evicted from either tier
+(memory evictions are found once a step, by ``sync_events``), and a reset.
 Everything here runs on the engine thread except the disk tier's reader and writer threads,
 which never touch MLX.
 """
@@ -30,6 +33,7 @@ from typing import Any
 from apc.blocks import Payload, payload_from_parts, payload_to_parts
 from apc.checkpoint import CheckpointStore, snapshot_key
 from apc.disk_tier import DiskTier, Part
+from apc.events import MEDIUM_DISK, MEDIUM_MEMORY, CacheEvents
 from apc.hashing import BlockKey, block_keys, prompt_keys, root_key
 from apc.memory_tier import MemoryTier
 
@@ -74,6 +78,19 @@ class PrefixCache:
         self._done: queue.Queue[Callable[[], None]] = queue.Queue()  # finished reads, applied by ``poll``
         self._reading: set[bytes] = set()  # reads in flight, by the key they start at
         self._from_disk: set[bytes] = set()  # blocks loaded from disk and not yet counted as hits
+        self.events: CacheEvents | None = None
+        self._published: set[bytes] = set()  # memory-tier blocks routers were told of
+        self._evicted_seen = 0
+
+    def set_events(self, events: CacheEvents) -> None:
+        """Publish the exact tier's changes from now on (the checkpoint tier's snapshots are not
+        blocks a router can index: nothing is published for them)."""
+        if self.tier != "exact":
+            return
+        self.events = events
+        if self.disk is not None:
+            self.disk.on_written = lambda note: events.stored([note[0]], note[1], MEDIUM_DISK)
+            self.disk.on_removed = lambda keys: events.removed(keys, MEDIUM_DISK)
 
     # --- keys ---
     def root(self, salt: str | None) -> bytes:
@@ -126,6 +143,7 @@ class PrefixCache:
         loaded, bad = self.memory.load(parent, found)
         if bad is not None and self.disk is not None:  # verified, but not a block of this layout
             self.disk.discard_bad(bad)
+        self._publish_stored([block for block, _ in found[:loaded]], parent)
         self._from_disk.update(block.key for block, _ in found[:loaded])
 
     def record(self, query_tokens: int, keys: Sequence[BlockKey]) -> None:
@@ -140,15 +158,44 @@ class PrefixCache:
         """Cache blocks ``start .. start + len(items) - 1`` of ``chain`` (memory, and disk if
         on). Returns how many the memory tier holds afterwards (a block whose parent is not
         cached is refused: it could never be reached)."""
-        held = 0
+        held, stored = 0, []
         for offset, item in enumerate(items):
             i = start + offset
             block, parent = chain[i], (chain[i - 1] if i else None)
             cached = self.memory.insert(block, parent, item)
             held += cached
+            if cached:
+                stored.append(block)
             if cached and self.disk is not None and self.disk.enabled and block.key not in self.disk:
-                self.disk.put(block.key, block.tokens, self.memory.parts(item))
+                self.disk.put(block.key, block.tokens, self.memory.parts(item), note=(block, parent))
+        if stored:
+            self._publish_stored(stored, chain[stored[0].index - 1] if stored[0].index else None)
         return held
+
+    def _publish_stored(self, blocks: Sequence[BlockKey], parent: BlockKey | None) -> None:
+        """Tell routers of memory-tier blocks (a chain's consecutive blocks after ``parent``) they
+        were not told of yet."""
+        if self.events is None or not blocks:
+            return
+        new = [b for b in blocks if b.key not in self._published]
+        if not new:
+            return
+        first = blocks.index(new[0])
+        run = list(blocks[first:])  # from the first new block on: one run of the chain
+        self._published.update(b.key for b in run)
+        self.events.stored(run, blocks[first - 1] if first else parent, MEDIUM_MEMORY)
+
+    def sync_events(self) -> None:
+        """Publish the memory tier's evictions since the last call (engine thread, once a step)."""
+        if self.events is None:
+            return
+        evicted = self.memory.stats.evicted
+        if evicted == self._evicted_seen and len(self.memory) >= len(self._published):
+            return
+        self._evicted_seen = evicted
+        gone = [key for key in self._published if key not in self.memory]
+        self._published.difference_update(gone)
+        self.events.removed(gone, MEDIUM_MEMORY)
 
     # --- checkpoint tier ---
     def put_snapshot(self, tokens: Sequence[int], salt: str | None, payload: Payload) -> bool:
@@ -309,6 +356,9 @@ class PrefixCache:
         released = {"memory_bytes": self.memory.clear() + self.checkpoints.clear(), "disk_bytes": 0}
         if self.disk is not None:
             released["disk_bytes"] = self.disk.clear()
+        if self.events is not None:
+            self._published.clear()
+            self.events.cleared()
         return released
 
     def flush(self) -> None:

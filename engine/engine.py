@@ -280,7 +280,23 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None:
             return []
-        return self._finish(request, FinishReason.ABORT)
+        outputs = self._finish(request, FinishReason.ABORT)
+        self._publish_cache_events()
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with ``error`` (a shutdown that could not wait for them)."""
+        outputs = []
+        for request_id in list(self.requests):
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs += self._finish(request, FinishReason.ERROR, error=error)
+        self._publish_cache_events()
+        return outputs
+
+    def _publish_cache_events(self) -> None:
+        if self.prefix is not None:
+            self.prefix.cache.sync_events()  # evictions since the last step, told to routers
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._ahead is not None
@@ -371,6 +387,7 @@ class Engine:
             request = self.requests.get(request_id)
             if request is not None and not request.is_finished:
                 outputs += self._finish(request, reason)
+        self._publish_cache_events()
         return outputs
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> list[RequestOutput]:

@@ -45,6 +45,8 @@ class EngineConfig:
     parse_special: bool = False
     # run engine/warm_up.py's workload before serving (None: where MLX's default device is a GPU)
     warm_up: bool | None = None
+    # publish the prefix cache's changes to routers (an apc.publisher.KVEventsConfig; None: off)
+    kv_events: Any = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class EngineClient:
         self._cost: Callable[[int, int, int], int] | None = None
         self._budget: int | None = None
         self._stop = threading.Event()
+        self.draining = False  # shutting down: new requests are refused with 503 (server/drain.py)
         self._used = False  # work ran since memory was last released (engine thread only)
         self._thread = threading.Thread(target=self._main, name="kvarn-engine", daemon=True)
 
@@ -177,6 +180,9 @@ class EngineClient:
         ``RequestRejected``: 400 if it can never fit in the KV budget, 429 if the waiting queue
         is full. The returned ``Admission`` holds the request's queue place until ``generate``
         hands it to the engine (or until it is dropped), so a burst cannot overfill the queue."""
+        if self.draining:
+            raise RequestRejected(503, "This server is shutting down and takes no new requests; retry shortly "
+                                       "(another replica will answer).", code="server_draining", retry_after=1)
         if self._cost is not None and self._budget is not None:
             need = self._cost(prompt_tokens, max_tokens, n)  # the engine's own admission price
             if need > self._budget:
@@ -274,6 +280,10 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._inbox.put(lambda engine: self._abort(engine, RequestId(request_id)))
 
+    def fail_all(self, error: str) -> None:
+        """End every request in the engine with ``error`` (a drain that ran out of time)."""
+        self._inbox.put(lambda engine: engine.fail_all(error))
+
     @staticmethod
     def _abort(engine: Any, request_id: RequestId) -> list[RequestOutput]:
         """Abort all choices of a request (forks not yet made go with their parent)."""
@@ -300,6 +310,7 @@ class EngineClient:
                 kv = replace(kv, max_kv_size=window)  # the advice picks the layout; the window stays the flag's
                 logger.info("KV layout by kvarn advise: %s (%s)", chosen["arm"], chosen["source"])
             engine = make_engine(loaded, self.config.scheduler, kv, self.config.apc)
+            publisher = self._start_events(engine)
             from engine.warm_up import on_gpu, warm_up
 
             if self.config.warm_up or (self.config.warm_up is None and on_gpu()):
@@ -329,6 +340,30 @@ class EngineClient:
                     self._step(engine)
         finally:
             engine.close()  # the prefix cache's queued disk writes land before the process ends
+            if publisher is not None:
+                publisher.close()  # after the disk writes: their events go out too
+
+    def _start_events(self, engine: Any) -> Any:
+        """The KV events publisher of ``config.kv_events`` on the prefix cache (None when off: no
+        socket is opened)."""
+        config = self.config.kv_events
+        if config is None:
+            return None
+        if engine.prefix is None:
+            raise ValueError("KV events report the prefix cache's contents: they need the prefix cache on")
+        from apc.events import CacheEvents
+        from apc.publisher import ZmqPublisher
+
+        events = CacheEvents(lambda event: None, config.block_size, engine.prefix.cache.block_size)
+        publisher = ZmqPublisher(config)
+        events.emit = publisher.emit
+        engine.prefix.cache.set_events(events)
+        if engine.prefix.cache.events is None:
+            logger.warning("KV events: this model's prefix cache keeps whole-row snapshots, not blocks; "
+                           "nothing will be published")
+        logger.info("KV events on %s (replay %s, block size %d)", config.endpoint, config.replay_endpoint,
+                    config.block_size)
+        return publisher
 
     def _run_commands(self, engine: Any, block: bool) -> None:
         try:

@@ -1,8 +1,8 @@
 """The app factory. The lifespan starts the engine thread and returns at once: ``/health`` says
 503 until the model is loaded.
 
-Middleware, outermost first: the security checks (Host, Origin, API key), CORS for
-``--allowed-origins`` (when any), the request-size limit, then the routes. Prompt building
+Middleware, outermost first: the in-flight count (a drain waits for it), the security checks
+(Host, Origin, API key), CORS for ``--allowed-origins`` (when any), the request-size limit, then the routes. Prompt building
 (chat template, tokenizer) runs on ``app.state.prepare``, a small thread pool, never on the event
 loop.
 """
@@ -18,6 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from engine import EngineClient
 from server.config import ServerConfig
+from server.drain import CountInFlight, InFlight
 from server.errors import install_error_handlers
 from server.limits import BodyLimitMiddleware
 from server.metrics import Metrics
@@ -53,7 +54,9 @@ def create_app(config: ServerConfig, client: EngineClient | None = None) -> Fast
                               "are OpenAI's `{\"error\": {message, type, param, code}}`; invalid requests are 400s.")
     app.state.client = engine_client
     app.state.config = config
-    app.state.metrics = Metrics(engine_client.stats)
+    app.state.metrics = Metrics(engine_client.stats,
+                                lambda: engine_client.info.model_id if engine_client.info else None)
+    app.state.in_flight = InFlight()  # what a drain waits for (server/drain.py)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(messages_router)
@@ -64,4 +67,5 @@ def create_app(config: ServerConfig, client: EngineClient | None = None) -> Fast
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["*"], max_age=600)  # the SDK sends headers of its own (x-stainless-*)
     app.add_middleware(SecurityMiddleware, config=config)
+    app.add_middleware(CountInFlight, counter=app.state.in_flight)
     return app

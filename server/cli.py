@@ -59,6 +59,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                          "N tokens however long it generates (default: none: unbounded)")
 
 
+def _add_scale_out_args(serve: argparse.ArgumentParser) -> None:
+    out = serve.add_argument_group(
+        "replicas behind a router (docs/scale-out.md)",
+        "KV events in vLLM's format tell a cache-aware router (vllm-router kv_aware, llm-d, Dynamo) what "
+        "this replica's prefix cache holds; replicas sharing --apc-disk-dir serve each other's blocks.")
+    out.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ",
+                     help="publish the prefix cache's changes on this ZMQ PUB endpoint, bound here, e.g. "
+                          "tcp://*:5557 or tcp://127.0.0.1:5557 (default: off: no socket is opened)")
+    out.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
+                     help="a ROUTER endpoint answering a subscriber that missed events with the recent "
+                          "batches from a sequence number on (default: none)")
+    out.add_argument("--kv-events-topic", default="", help="the topic frame of every event message (default: '')")
+    out.add_argument("--kv-events-block-size", type=int, default=16, metavar="N",
+                     help="the router's block size: each cached block is published as blocks of N tokens with "
+                          "hashes of their own; N divides the cache's block size (default: %(default)s, "
+                          "vLLM's and vllm-router's)")
+    out.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM, stop taking requests (503, /health 'draining') and wait this long for "
+                          "those in flight before ending them with an error (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="OpenAI-compatible LLM server on MLX with the "
                                                                "KVarN quantized KV cache.")
@@ -130,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     apc.add_argument("--apc-disk-bytes", type=_size, default=None, metavar="BYTES",
                      help="byte cap of the disk tier in --apc-disk-dir, least recently used blocks removed "
                           "beyond it (default: 4GiB)")
+    _add_scale_out_args(serve)
     serve.add_argument("--no-reasoning-content", action="store_true",
                        help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
                             "splitting it out into 'reasoning_content' (models without think tokens: no effect)")
@@ -332,6 +354,23 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
     return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir, disk_bytes=args.apc_disk_bytes)
 
 
+def _kv_events_config(args: argparse.Namespace):  # -> apc.publisher.KVEventsConfig | None
+    endpoint, replay = args.kv_events_endpoint, args.kv_events_replay_endpoint
+    if endpoint is None:
+        if replay is not None:
+            raise SystemExit("kvarn serve: --kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    if args.no_apc:
+        raise SystemExit("kvarn serve: KV events report the prefix cache's contents; drop --no-apc")
+    if args.kv_events_block_size < 1:
+        raise SystemExit("kvarn serve: --kv-events-block-size must be >= 1")
+    if args.kv_tile % args.kv_events_block_size:
+        raise SystemExit(f"kvarn serve: --kv-events-block-size must divide the cache's block size {args.kv_tile}")
+    from apc.publisher import KVEventsConfig
+
+    return KVEventsConfig(endpoint, replay, args.kv_events_topic, args.kv_events_block_size)
+
+
 def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     from engine import EngineConfig, SchedulerConfig
     from server.config import ServerConfig
@@ -348,7 +387,8 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
                             scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue,
                             parse_special=args.parse_special_tokens,
-                            warm_up={"auto": None, "on": True, "off": False}[args.warm_up]),
+                            warm_up={"auto": None, "on": True, "off": False}[args.warm_up],
+                            kv_events=_kv_events_config(args)),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         keep_billing_header=args.keep_billing_header,
@@ -360,7 +400,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.drain import DrainingServer
 
+    if args.drain_timeout < 0:
+        raise SystemExit("kvarn serve: --drain-timeout must be >= 0")
     config = _server_config(args)
     try:
         app = create_app(config)
@@ -368,11 +411,17 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvarn").error("%s", exc)
         return 2
     logging.getLogger("kvarn").info("OpenBLAS %s", "on" if openblas_active() else "off")
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level), app,
+                            args.drain_timeout)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     except SystemExit as exc:  # uvicorn's own exit, e.g. the port is taken (it logged why)
         if exc.code in (0, None):
             return 0
+        logging.getLogger("kvarn").error("kvarn serve could not start on %s:%s (see the error above)",
+                                         args.host, args.port)
+        return 1
+    if not server.started:
         logging.getLogger("kvarn").error("kvarn serve could not start on %s:%s (see the error above)",
                                          args.host, args.port)
         return 1

@@ -1,4 +1,11 @@
-"""Prometheus metrics on a registry of the app's own (no process-global state)."""
+"""Prometheus metrics on a registry of the app's own (no process-global state).
+
+Besides kvarn's own (``kvarn_*``), the names routers and dashboards scrape from vLLM, labelled
+``model_name`` as vLLM labels them (``VllmCollector``): llm-d's and the Gateway API inference
+extension's load-aware scorers read ``vllm:num_requests_waiting``, ``vllm:num_requests_running``
+and ``vllm:kv_cache_usage_perc`` (older ones ``vllm:gpu_cache_usage_perc``), and vLLM's Grafana
+dashboard the prefix cache's ``vllm:prefix_cache_{queries,hits}_total`` (in tokens).
+"""
 
 from __future__ import annotations
 
@@ -58,8 +65,41 @@ class StatsCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
 
 
+class VllmCollector(Collector):
+    """vLLM's metric names, from one ``stats()`` call per scrape, once a model is loaded
+    (``model_name()`` None: nothing yet). KV cache usage is the share of the KV budget that
+    running and admitted requests hold or may still take (0 to 1, as vLLM's)."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]], model_name: Callable[[], str | None]) -> None:
+        self._stats, self._model_name = stats, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        name = self._model_name()
+        if name is None:
+            return
+        stats = self._stats()
+        budget = stats.get("budget_bytes", 0)
+        usage = min(stats.get("reserved_bytes", 0) / budget, 1.0) if budget else 0.0
+        gauges = (("vllm:num_requests_running", "Requests in the running batch", stats.get("running", 0)),
+                  ("vllm:num_requests_waiting", "Requests waiting for admission", stats.get("waiting", 0)),
+                  ("vllm:kv_cache_usage_perc", "KV cache usage (1 = the whole KV budget)", usage),
+                  ("vllm:gpu_cache_usage_perc", "KV cache usage (1 = the whole KV budget; older name)", usage))
+        for metric, doc, value in gauges:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            yield family
+        for metric, key, doc in (("vllm:prefix_cache_queries", "apc_query_tokens", "Prompt tokens looked up in the "
+                                  "prefix cache"),
+                                 ("vllm:prefix_cache_hits", "apc_hit_tokens", "Prompt tokens served from the "
+                                  "prefix cache")):
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], stats.get(key, 0))
+            yield family
+
+
 class Metrics:
-    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, int]],
+                 model_name: Callable[[], str | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvarn_requests", "Finished requests by endpoint and finish reason",
@@ -89,3 +129,4 @@ class Metrics:
                                 "The most MLX memory active at once since the server started (bytes)")):
             Gauge(name, doc, registry=r).set_function(lambda key=key: stats().get(key, 0))
         r.register(StatsCollector(stats))
+        r.register(VllmCollector(stats, model_name))

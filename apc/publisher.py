@@ -1,0 +1,142 @@
+"""The KV events publisher: ZMQ PUB and a replay ROUTER, on a thread of their own.
+
+Wire (as vLLM's ``ZmqEventPublisher``): each batch is the multipart message ``[topic, sequence
+number as 8 bytes big-endian, msgpack payload]`` on the PUB socket, sequence numbers from 0. A
+subscriber that missed some asks the ROUTER socket (a REQ or DEALER client) with the first
+sequence number it wants, 8 bytes big-endian; the answer is one message ``[sequence, payload]``
+per buffered batch from there on (the last ``buffer_steps`` batches), then ``[-1 as 8 signed
+bytes, b""]``, the end marker.
+
+``emit`` only puts the event on a queue (callers, the engine thread among them, never wait on a
+socket); the thread takes every event that is waiting as one batch. Endpoints are bound: routers
+connect to them (``tcp://*:5557`` for every interface, ``tcp://127.0.0.1:5557`` for loopback).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from itertools import count
+from typing import Any
+
+import msgspec
+import zmq
+
+from apc.events import make_batch
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_POLL_S = 0.05
+_MAX_BATCH = 1024  # events a batch holds at most
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``endpoint``: the PUB socket; ``replay_endpoint``: the ROUTER socket (None: no replay);
+    ``block_size``: the routers' block size (``apc.events``)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_size: int = 16
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+
+
+class ZmqPublisher:
+    """Binds its sockets at once (an endpoint in use raises ``zmq.ZMQError``) and publishes until
+    ``close``, which sends what is queued first."""
+
+    def __init__(self, config: KVEventsConfig) -> None:
+        self.config = config
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._buffer_lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._replay = None
+        try:
+            self._pub.bind(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self._topic = config.topic.encode()
+        self._seq = count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self.published = 0  # batches sent
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvarn-kv-events", daemon=True)
+        self._thread.start()
+
+    def emit(self, event: Any) -> None:
+        """Queue one event (any thread; never blocks)."""
+        self._queue.put(event)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None:
+                try:
+                    while self._replay.poll(0):
+                        self._answer_replay()
+                except zmq.ZMQError:
+                    logger.exception("KV events: a replay request failed")
+            events = self._take()
+            if events:
+                self._publish(events)
+            elif self._stop.is_set():
+                return
+
+    def _take(self) -> list[Any]:
+        try:
+            events = [self._queue.get(timeout=_POLL_S)]
+        except queue.Empty:
+            return []
+        while len(events) < _MAX_BATCH:
+            try:
+                events.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return events
+
+    def _publish(self, events: list[Any]) -> None:
+        seq = next(self._seq)
+        payload = self._encoder.encode(make_batch(events))
+        try:
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+        except zmq.ZMQError:
+            logger.exception("KV events: publishing batch %d failed", seq)
+        with self._buffer_lock:
+            self._buffer.append((seq, payload))
+        self.published += 1
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:  # [identity, empty delimiter, start]
+            logger.warning("KV events: malformed replay request (%d frames)", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        with self._buffer_lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= first]
+        for seq, payload in batches:
+            self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
