@@ -159,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the 'x-anthropic-billing-header:' line Claude Code puts at the top of its system "
                             "prompt on /v1/messages (by default it is dropped: it changes every conversation, so "
                             "no two conversations would share a cached prefix)")
+    responses = serve.add_argument_group(
+        "Responses API store",
+        "POST /v1/responses keeps each response and its conversation (unless the request says store: false), "
+        "so GET /v1/responses/{id} returns it and previous_response_id continues it.")
+    responses.add_argument("--responses-store-bytes", type=_size, default=None, metavar="BYTES",
+                           help="byte bound of the stored responses (their JSON text), least recently used "
+                                "dropped beyond it (suffixes as --kv-budget-bytes; default: 64MiB; 0 keeps none)")
+    responses.add_argument("--responses-store-dir", default=None, metavar="DIR",
+                           help="keep the stored responses in DIR, one JSON file each, so they survive a restart "
+                                "(default: memory only)")
     serve.add_argument("--parse-special-tokens", action="store_true",
                        help="tokenize special-token text typed inside chat message content (e.g. '<|im_end|>') as "
                             "the model's control tokens; by default it is plain text, so a message cannot forge "
@@ -393,7 +403,8 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         keep_billing_header=args.keep_billing_header,
         allowed_origins=tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()),
-        max_request_bytes=args.max_request_bytes)
+        max_request_bytes=args.max_request_bytes, responses_store_dir=args.responses_store_dir,
+        **({} if args.responses_store_bytes is None else {"responses_store_bytes": args.responses_store_bytes}))
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine import EngineConfig
 
 from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
+from server.response_store import DEFAULT_STORE_BYTES
 
 
 def is_loopback(host: str) -> bool:
@@ -32,6 +33,9 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins allowed cross-origin (CORS), "*" for any
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get a 413, unread
     reasoning_content: bool = True  # a thinking model's <think> text goes to reasoning_content
+    # the Responses API's store (server/response_store.py): its byte bound, and a folder that keeps it across restarts
+    responses_store_bytes: int = DEFAULT_STORE_BYTES
+    responses_store_dir: str | None = None
     # keep Claude Code's per-conversation "x-anthropic-billing-header:" line in a Messages API
     # system prompt (dropped by default: it changes every conversation and defeats the prefix cache)
     keep_billing_header: bool = False
@@ -43,6 +47,8 @@ class ServerConfig:
                 f"pass --api-key or set {API_KEY_ENV}")
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be at least 1")
+        if self.responses_store_bytes < 0:
+            raise ValueError("--responses-store-bytes must be at least 0")
 
     @staticmethod
     def api_key_from_env() -> str | None:
