@@ -1,4 +1,4 @@
-"""Host cost of dispatching the pieces of a decode step's tile commit (the lent H200): for 32
+"""Host cost of dispatching the pieces of a decode step's tile commit (on a GPU): for 32
 "layers", each piece built, then ``mx.async_eval`` (where MLX walks the graph and launches the
 kernels) and the wait timed apart, against a plain elementwise op as the floor.
 

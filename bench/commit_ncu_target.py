@@ -1,5 +1,5 @@
 """The decode commit of 32 rows of one layer (8 KV heads, D = G = 128, k4v2: the 8B shape), launched
-a few times: a target for Nsight Compute (``ncu --kernel-name regex:commit``) on the lent H200.
+a few times: a target for Nsight Compute (``ncu --kernel-name regex:commit``) on a CUDA GPU.
 
     ncu --clock-control none --kernel-name regex:commit --launch-skip 2 --launch-count 1 \\
         python3 bench/commit_ncu_target.py

@@ -2,9 +2,9 @@
 prompt cold, restored from the memory tier, and restored from disk by a fresh engine (a
 restart), per KV layout; plus greedy agreement of restored runs with runs without the cache.
 
-    python bench/device_apc.py --out bench/results/device-apc.json
+    python bench/device_apc.py --out bench/results/device-apc-h200.json
 
-Run on the lent H200 with MLX's CUDA backend (see shared/tools/README.md); on a CPU it runs too.
+Run on a GPU with MLX's CUDA backend (`bash bench/device.sh apc`); on a CPU it runs too.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine on the lent H200 at an 8B shape: decode tok/s per concurrency, the KVarN tile-commit
+"""The engine on a GPU (the H200 in docs/benchmarks.md) at an 8B shape: decode tok/s per concurrency, the KVarN tile-commit
 step, prefill and TTFT, graph nodes per decode step and KV bytes, per KV layout, beside mlx-lm's
 own batched caches on the same model in the same process.
 
@@ -40,7 +40,7 @@ Figures (JSON ``cells[]``, seconds unless named otherwise):
                        not the tile step. mlx-lm: level / median step wall time.
   tile_step_s        the one step in which the cache length crosses a multiple of 128 (with async
                      scheduling: the call that launched that step, one before the one returning its
-                     tokens; before session 26's fix the label fell one call late there) (KVarN: all
+                     tokens, where the commit's cost lands) (KVarN: all
                      rows commit a tile; fp16/affine: the same position, for comparison);
                      tile_step_over_median = tile_step_s / median ordinary step.
   amortized_tok_per_s = level / ((127 * median + tile_step_s) / 128): one commit every 128 steps.
@@ -628,7 +628,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12, help="timed decode steps per level")
     p.add_argument("--warm-up", type=int, default=2, metavar="ROWS",
                    help="engine/warm_up.py's workload with this many decode rows after each engine is made, as "
-                        "kvarn serve runs it on a GPU (0: none, as before session 23)")
+                        "kvarn serve runs it on a GPU (0: none)")
     p.add_argument("--warm", type=int, default=3, help="untimed decode steps per level (the last records the graph)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (the engine's prefill_chunk_size)")
     p.add_argument("--time-budget", type=float, default=480.0, help="seconds from start; later cells are skipped")

@@ -1,5 +1,5 @@
 """Greedy tokens of the bundled model through the engine with the fused KVarN decode kernel vs the
-pure-MLX reference path (issue 11: "greedy tokens identical over 8 prompts x 256 tokens").
+pure-MLX reference path: do they give the same greedy tokens (8 prompts x 256 tokens)?
 
 Both arms run the same 8 held-out prompts (engine/data/kld_prompts.json) as one batch, greedy,
 256 tokens each, KVarN k4v2; the only difference is ``metal.attention_path()``'s verdict. Reports,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run `kvarn kld` on the lent GPU (MLX CUDA), from the repo root, after `eval "$(bash .mlxcuda/install.sh)"`.
+# Run `kvarn kld` on a GPU (MLX CUDA), from the repo root, after `eval "$(bash .mlxcuda/install.sh)"`.
 # Usage: bash bench/device_kld.sh OUT_DIR [kvarn kld flags...]
 set -euo pipefail
 out=$1; shift

@@ -12,7 +12,7 @@ calls queued (as a 32-layer decode step queues one a layer), each over another c
 mx.synchronize; median over ``--reps`` (after warm-up). Bytes = what the kernel must read: the rows'
 valid K and V. Every plan variant's output is checked against the reference (max |a - b| / max |b|).
 
-    python3 bench/kernel_ragged_decode.py --out bench/results/kernel-ragged-decode-h200.json
+    python3 bench/kernel_ragged_decode.py --out bench/results/kernel-ragged-h200.json
     python3 bench/kernel_ragged_decode.py --kv-dtypes float16,bfloat16
     python3 bench/kernel_ragged_decode.py --smoke       # tiny shapes; the kernel is skipped without CUDA
     python3 bench/kernel_ragged_decode.py --compile     # nvcc's register report per template (no GPU needed)

@@ -1,4 +1,4 @@
-"""lm-eval through ``kvarn serve`` (issue 13): every log-likelihood checked against mlx-lm in process.
+"""lm-eval through ``kvarn serve``: every log-likelihood checked against mlx-lm in process.
 
 For each arm (``--arms``, default ``fp16,kvarn``: ``kvarn serve --kv-scheme fp16`` and the default
 ``kvarn serve``, KVarN k4v2), a server is started on a free loopback port (bounded start-up, always

@@ -1,4 +1,4 @@
-"""A mixed load against ``kvarn serve`` and its memory afterwards (issue 13).
+"""A mixed load against ``kvarn serve`` and its memory afterwards.
 
 Starts ``kvarn serve`` on loopback (the bundled model unless ``--model``), sends one warm-up
 request and reads the server's RSS, then runs ``--clients`` concurrent clients over

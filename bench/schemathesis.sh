@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Schemathesis (4.x) against `kvarn serve`'s own OpenAPI document (issue 13), bounded.
+# Schemathesis (4.x) against `kvarn serve`'s own OpenAPI document, bounded.
 #
 # Starts `kvarn serve` (the default KVarN layout; KVARN_ARGS adds flags) on a free loopback port,
 # waits for /health (at most 120 s), runs `schemathesis run .../openapi.json --checks all` with a

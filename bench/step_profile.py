@@ -1,4 +1,4 @@
-"""Where one engine decode step's time goes (the lent H200, 8B shape): graph build, dispatch, the
+"""Where one engine decode step's time goes (on a GPU, 8B shape): graph build, dispatch, the
 rest; and per phase of the KV work, in the step where every row commits a tile against an
 ordinary step.
 

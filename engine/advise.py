@@ -32,7 +32,7 @@ from engine.loader import LoadedModel
 CANDIDATES = ("kvarn:k8v8", "kvarn:k4v4", "kvarn:k4v3", "kvarn:k3v3", "kvarn:k4v2", "kvarn:k3v2", "kvarn:k2v2",
               "affine:8", "affine:4")
 # mean nats: the smallest layout that stays this close to fp16 (mlx-lm's 4-bit affine cache costs
-# 9e-3 to 1.8e-2 on the bundled model: docs/fidelity.md, docs/advice.md)
+# 9e-3 to 1.8e-2 on the bundled model: docs/fidelity.md, docs/advice/advice.md)
 DEFAULT_MAX_KLD = 1e-2
 ADVICE_VERSION = 1
 

@@ -3,7 +3,7 @@ what a GPU backend builds on first use.
 
 On MLX's CUDA backend the first step of each *kind* stops the whole batch while kernels are
 built: the first decode step of several rows beside a prompt chunk took 3.5 s (KVarN) and 6.0 s
-(fp16) on the H200 at the 8B shape, against ~15 ms once built (docs/benchmarks.md section 18);
+(fp16) on the H200 at the 8B shape, against ~15 ms once built (docs/benchmarks.md, "Prefill speed");
 each new attention shape costs cuDNN 45-95 ms once. ``warm_up`` runs every kind once, with the
 engine's own scheduler and kernels:
 

@@ -1,4 +1,4 @@
-"""Attention over KVarN caches (shared/design/kvarn.md section 4) and the seam that routes
+"""Attention over KVarN caches (docs/kvarn.md, "Attention") and the seam that routes
 mlx-lm models to it.
 
 Three paths, by what the cache holds:

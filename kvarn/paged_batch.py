@@ -266,7 +266,7 @@ def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, lay
     row's blocks: nothing is gathered or dequantized), the windows by plain matmuls, one softmax
     under the step's validity mask, in float32; the factored form keeps the per-token factors
     (k_r, v_c) outside the products. 10-13x the gather-and-dequantize path on a CPU at 900-2,000
-    tokens a row (docs/benchmarks.md section 9)."""
+    tokens a row (docs/benchmarks.md, "Decode speed")."""
     B, n_q, _, D = queries.shape
     H = a.win_k.shape[1]
     R, G, f32 = n_q // H, layout.tile_size, mx.float32

@@ -185,7 +185,7 @@ def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
         if fused and (layout, H, D, "window") not in _WARMED:
             # the decode commit's kernel is its own template (WIN = 1, NH = the model's heads), which
             # the self-check (other heads) does not build: its first use in a step cost 3.9 s on the
-            # H200 (the whole batch waited; docs/benchmarks.md section 18)
+            # H200 (the whole batch waited)
             G = layout.tile_size
             windows = mx.zeros((1, H, 2 * G, D), STORE_DTYPE)
             mx.eval(list(quantize_window_tails(windows, windows, mx.zeros((1,), mx.int32), layout).values()))

@@ -1,4 +1,4 @@
-"""The KVarN quantizer (shared/design/kvarn.md section 3): rotate, normalize, round, absorb, pack.
+"""The KVarN quantizer (docs/kvarn.md, "The quantizer"): rotate, normalize, round, absorb, pack.
 
 All math is float32 and vectorized over any leading axes (tiles, heads, layers, rows). A tile
 is G tokens x W channels (W = 128-channel slice, or the whole head when head_dim <= 128).

@@ -1,5 +1,5 @@
 """Fused KVarN tile commit (CUDA, ``mx.fast.cuda_kernel``): the whole quantizer of
-shared/design/kvarn.md section 3 (two-axis log-domain normalization with the best-iterate rule,
+docs/kvarn.md ("The quantizer": two-axis log-domain normalization with the best-iterate rule,
 min/max RTN, absorption, packing) for every tile given, all heads, K and V, in one launch.
 
 Input: rotated float16 tiles ``keys``/``values`` [n, H, G, D]. Output: the block-major record

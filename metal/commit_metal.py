@@ -1,5 +1,5 @@
 """Fused KVarN tile commit on Apple GPUs (``mx.fast.metal_kernel``): the Metal twin of
-``metal.commit`` (the whole quantizer of shared/design/kvarn.md section 3 for every tile given,
+``metal.commit`` (the whole quantizer of docs/kvarn.md for every tile given,
 all heads, K and V, in one launch), with the CUDA wrappers' signatures and outputs:
 ``quantize_tiles(keys=, values=, ...)`` over tiles [n, H, G, D] and ``quantize_window_tails(win_k=,
 win_v=, slots=, ...)`` over the tails of a pool's float16 windows, read in place. Output: the

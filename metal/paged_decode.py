@@ -35,10 +35,10 @@ NUM_SMS = 132  # H200; the split policy aims at a few blocks per multiprocessor
 BLOCKS_PER_SM = 3  # the tensor-core body's resident blocks (58.7 KB of shared memory each at k4v2): one wave of splits
 SCALAR_BLOCKS_PER_SM = 16  # the scalar body's split target (measured on the H200: 4 left the multiprocessors idle)
 # one work item a row (one launch, no combine) when rows x KV heads fill a wave of blocks, or when no row has
-# more tiles than SINGLE_MAX_TILES (the best of both plans at each shape measured on the H200: docs/benchmarks.md
-# section 8). A few long rows are split: the kernel benchmark favoured one item a row for <= 32 row-heads
+# more tiles than SINGLE_MAX_TILES (the best of both plans at each shape measured on the H200: docs/benchmarks.md,
+# "Kernels"). A few long rows are split: the kernel benchmark favoured one item a row for <= 32 row-heads
 # (1 x 32k: 0.054 vs 0.073 ms), but through the engine one 16k row decoded in 11.8 ms a step split against
-# 18.5 ms as one item (8B shape, section 16): 8 blocks streaming 130 tiles each left the GPU waiting
+# 18.5 ms as one item (8B shape, same place): 8 blocks streaming 130 tiles each left the GPU waiting
 SINGLE_MIN_BLOCKS = BLOCKS_PER_SM * NUM_SMS
 SINGLE_MAX_TILES = 64
 SUPPORTED_BITS = (2, 3, 4, 8)

@@ -42,7 +42,7 @@ NUM_SMS = 132  # H200
 # never into splits shorter than MIN_SPLIT tokens (rows under 2 x MIN_SPLIT tokens stay one item: a split's
 # fixed cost, its query load, merge and partial write, would outweigh its ~MIN_SPLIT x 512 bytes of K/V a head).
 # One item a row, whatever the rest says, for at most SINGLE_MAX_ROW_HEADS rows x KV heads of at most
-# SINGLE_MAX_TOKENS tokens: measured on the H200 (bench/kernel_ragged_decode.py, docs/benchmarks.md section 16),
+# SINGLE_MAX_TOKENS tokens: measured on the H200 (bench/kernel_ragged_decode.py, docs/benchmarks.md, "Kernels"),
 # one item a row beat the split plan at 1 x 4k (0.030 vs 0.042 ms), 1 x 16k (0.078 vs 0.102) and 16 x 4k
 # (0.110 vs 0.124), and lost at 16 x 32k (1.08 vs 0.67) and at 32 rows and more.
 SINGLE_MAX_ROW_HEADS = 128

@@ -1,4 +1,4 @@
-"""The import rules of shared/design/architecture.md, checked by parsing every module."""
+"""The import rules of docs/architecture.md ("Packages"), checked by parsing every module."""
 
 import ast
 from pathlib import Path

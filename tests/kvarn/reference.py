@@ -1,9 +1,9 @@
-"""Independent NumPy reference of KVarN (shared/design/kvarn.md sections 3 and 4).
+"""Independent NumPy reference of KVarN (docs/kvarn.md: the quantizer and the attention).
 
 Written from the design text, not from ``kvarn/quantize.py``; it imports no MLX, so the tests
 that compare the two are a real cross-check.
 
-Quantizer (section 3), all arithmetic in float32:
+Quantizer, all arithmetic in float32:
   * elementwise float32 ops (``/``, ``*``, ``-``, clip, round half to even) are IEEE and so
     agree bit-for-bit with any other float32 implementation;
   * the transcendental functions and the sample std are *correctly rounded* float32 values
@@ -11,7 +11,7 @@ Quantizer (section 3), all arithmetic in float32:
     few ulps off those, which is the only legitimate source of disagreement; the tests account
     for it explicitly.
 
-Attention (section 4) is computed in float64 from the stored (fp16) parts.
+Attention is computed in float64 from the stored (fp16) parts.
 
 Tile convention (one 128-channel slice, or the whole head when head_dim <= 128; W = its width):
   K tile: M = k_rot^T  (W x G)  rows = channels, columns = tokens  -> RTN per channel
@@ -338,7 +338,7 @@ def value_tile_from_packed(codes, alpha, beta, c, bits: int) -> RefValueTile:
 
 
 # --------------------------------------------------------------------------------------------
-# Records and attention (section 4)
+# Records and attention
 # --------------------------------------------------------------------------------------------
 
 @dataclass

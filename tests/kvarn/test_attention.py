@@ -1,4 +1,4 @@
-"""kvarn/attention.py against the float64 NumPy reference of section 4 (tests/kvarn/reference.py).
+"""kvarn/attention.py against the float64 NumPy reference (tests/kvarn/reference.py, docs/kvarn.md).
 
 The records are read straight out of ``KVarNKVCache.records`` with an independent reading of the
 record layout (kvarn/record.py's docstring) and decoded by the reference, so these tests check
@@ -14,7 +14,7 @@ k4v2/k8v8/k3v3, 0/1/3 records, partial tails), each bound ~4x the worst seen:
   * continuation chunk (L > 1, each token with decode's view) vs reference: 7.6e-5
                                                                      -> CONTINUATION_TOL 4e-3
   * a chunk vs the same tokens decoded one by one, any chunking: 1.3e-6 -> DECODE_TOL
-The dequantized path rebuilds the history in float16 (as section 4 prescribes), hence its
+The dequantized path rebuilds the history in float16 (as prompt chunks do: docs/kvarn.md), hence its
 float16-level error; the decode path applies the fp16 scales in float32. ``-s`` prints the
 measured values (test_report_measured_tolerances).
 """

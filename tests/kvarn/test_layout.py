@@ -1,4 +1,4 @@
-"""kvarn/layout.py: exact bytes (shared/design/kvarn.md section 3), presets, validation, stamp."""
+"""kvarn/layout.py: exact bytes (docs/kvarn.md, "The quantizer"), presets, validation, stamp."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""lm-eval's own ``local-completions`` client through ``kvarn serve`` (issue 13): ``bench/lm_eval_check.py``
+"""lm-eval's own ``local-completions`` client through ``kvarn serve``: ``bench/lm_eval_check.py``
 runs the three local tasks of ``bench/lm_eval_task`` (multiple choice, rolling log-likelihood, generation
 until a newline) against an fp16-KV server and a KVarN server, and checks every log-likelihood lm-eval
 got against mlx-lm's in-process forward on the bundled model (~50 s on 2 CPU cores)."""

@@ -1,4 +1,4 @@
-"""Prompt log-probabilities, lists of prompts and token bytes over HTTP (issue 13 items 6 and 8):
+"""Prompt log-probabilities, lists of prompts and token bytes over HTTP:
 what lm-eval's ``local-completions`` and OpenAI's legacy clients send."""
 
 from __future__ import annotations
