@@ -102,9 +102,39 @@ class CacheReset(_Open):
     object: str
 
 
-_MODELS = (ErrorResponse, ModelList, ModelCard, ChatCompletion, Completion, Health, CacheReset)
+class ResponseObject(_Open):
+    """OpenAI's ``response``: ``status`` completed, incomplete (``incomplete_details``) or failed;
+    ``output`` items are reasoning, message and function_call items, in the model's order."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class ResponseDeleted(_Open):
+    id: str
+    object: str
+    deleted: bool
+
+
+class ResponseItemList(_Open):
+    """A page of a stored response's input items (``after``, ``limit``, ``order``)."""
+
+    object: str
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+_MODELS = (ErrorResponse, ModelList, ModelCard, ChatCompletion, Completion, Health, CacheReset, ResponseObject,
+           ResponseDeleted, ResponseItemList)
 _WHY = {400: "Invalid request (validation errors included)", 401: "Missing or wrong API key (with --api-key)",
-        403: "Host or Origin not allowed", 404: "No such model", 413: "Request body over --max-request-bytes",
+        403: "Host or Origin not allowed", 404: "No such model, or no such stored response", 413: "Request body over --max-request-bytes",
         415: "The body is not JSON (Content-Type)", 429: "The waiting queue is full (Retry-After)",
         500: "Generation failed inside the engine", 503: "The model is loading or failed to load"}
 _KEYED = (401,)
@@ -115,6 +145,12 @@ _STREAM = {"type": "object", "required": ["data"],
            "description": "One server-sent event: `data` is a chunk's JSON; the last event's is `[DONE]`",
            "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
                           "retry": {"type": "integer"}}}
+# the Responses API's stream: named events (`event` is the payload's `type`), no [DONE]
+_RESPONSE_STREAM = {"type": "object", "required": ["event", "data"],
+                    "description": "One server-sent event: `event` is its type (response.created, "
+                                   "response.output_text.delta, ..., response.completed / response.incomplete / "
+                                   "response.failed, error) and `data` its JSON, with `type` and `sequence_number`",
+                    "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
 # path -> method -> (200's model name or None, extra media types of the 200, error statuses)
 _ROUTES: dict[str, dict[str, tuple[str | None, dict[str, Any], tuple[int, ...]]]] = {
     "/v1/chat/completions": {"post": ("ChatCompletion", {"text/event-stream": {"schema": _STREAM}},
@@ -125,6 +161,11 @@ _ROUTES: dict[str, dict[str, tuple[str | None, dict[str, Any], tuple[int, ...]]]
     "/v1/cache/stats": {"get": (None, {}, _KEYED + _ANY + (503,))},
     "/v1/cache/reset": {"post": ("CacheReset", {}, _KEYED + _ANY + (503,))},
     "/health": {"get": ("Health", {}, _ANY)},
+    "/v1/responses": {"post": ("ResponseObject", {"text/event-stream": {"schema": _RESPONSE_STREAM}},
+                               _KEYED + _ANY + _GENERATE)},
+    "/v1/responses/{response_id}": {"get": ("ResponseObject", {}, _KEYED + _ANY + (404,)),
+                                    "delete": ("ResponseDeleted", {}, _KEYED + _ANY + (404,))},
+    "/v1/responses/{response_id}/input_items": {"get": ("ResponseItemList", {}, _KEYED + _ANY + (400, 404))},
 }
 
 

@@ -334,3 +334,17 @@ def test_reasoning_is_a_reasoning_item(think: openai.OpenAI) -> None:
     off = think.responses.create(**{**fields, "reasoning": {"effort": "none"}})
     assert [item.type for item in off.output] == ["message"]
     assert off.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_the_openapi_document_has_the_routes(http: httpx.Client) -> None:
+    document = http.get("/openapi.json").json()
+    create_route = document["paths"]["/v1/responses"]["post"]
+    assert sorted(create_route["responses"]) == ["200", "400", "401", "403", "404", "413", "415", "429", "500", "503"]
+    assert set(create_route["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    request_schema = create_route["requestBody"]["content"]["application/json"]["schema"]["$ref"].split("/")[-1]
+    assert {"model", "input", "previous_response_id", "store"} <= set(document["components"]["schemas"][request_schema]
+                                                                      ["properties"])
+    stored = document["paths"]["/v1/responses/{response_id}"]
+    assert {method: sorted(stored[method]["responses"]) for method in ("get", "delete")} == {
+        "get": ["200", "401", "403", "404", "413"], "delete": ["200", "401", "403", "404", "413"]}
+    assert "404" in document["paths"]["/v1/responses/{response_id}/input_items"]["get"]["responses"]
