@@ -45,17 +45,18 @@ class _Strict(BaseModel):
         return data
 
 
-def _check_blocks(content: Any, allowed: tuple[str, ...], what: str) -> None:
-    """A 400 naming the first block of ``content`` whose type is not in ``allowed``."""
+def _check_blocks(content: Any, allowed: tuple[str, ...], what: str, where: str = "") -> None:
+    """A 400 naming the first block of ``content`` whose type is not in ``allowed`` (``what``
+    block 3 ``where``)."""
     if not isinstance(content, list):
         return
     for index, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if isinstance(kind, str) and kind not in allowed:
             raise PydanticCustomError(
-                "unsupported_block", "{what} block {index} is of type '{kind}', which this server does not take "
-                "(it serves a text model: {allowed} blocks only).",
-                {"what": what, "index": index, "kind": kind[:64], "allowed": ", ".join(allowed)})
+                "unsupported_block", "{what} block {index}{where} is of type '{kind}', which this server does not "
+                "take (it serves a text model: {allowed} blocks only).",
+                {"what": what, "index": index, "where": where, "kind": kind[:64], "allowed": ", ".join(allowed)})
 
 
 class CacheControl(_Strict):
@@ -94,12 +95,6 @@ class ToolResultBlock(_Strict):
     cache_control: CacheControl | None = None
     toolset_name: str | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        _check_blocks(value, _TOOL_RESULT_BLOCKS, "tool_result content")
-        return value
-
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
@@ -132,6 +127,10 @@ class Message(_Strict):
     @classmethod
     def _supported_blocks(cls, value: Any) -> Any:
         _check_blocks(value, _BLOCKS, "content")
+        for index, block in enumerate(value if isinstance(value, list) else ()):
+            if isinstance(block, dict) and block.get("type") == "tool_result":
+                _check_blocks(block.get("content"), _TOOL_RESULT_BLOCKS, "tool_result content",
+                              f" (of content block {index})")
         return value
 
 
@@ -265,6 +264,12 @@ class _Conversation(_Strict):
                                       {"param": path})
         return data
 
+    @field_validator("system", mode="before")
+    @classmethod
+    def _text_system(cls, value: Any) -> Any:
+        _check_blocks(value, ("text",), "system")
+        return value
+
     @field_validator("tools", mode="before")
     @classmethod
     def _client_tools(cls, value: Any) -> Any:
@@ -286,17 +291,9 @@ class _Conversation(_Strict):
         return self
 
 
-class CountTokensRequest(_Conversation):
-    """``POST /v1/messages/count_tokens``: the prompt a message request would run, not run
-    (``compaction`` is ignored here, as Anthropic's count does)."""
+class _Body(_Conversation):
+    """Every field of a message request but ``max_tokens``."""
 
-    ignored: ClassVar[tuple[str, ...]] = ("compaction",)
-
-
-class MessagesRequest(_Conversation):
-    """``POST /v1/messages``."""
-
-    max_tokens: Annotated[int, Field(ge=1)]
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = None
     stream: bool = False
     temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
@@ -319,8 +316,25 @@ class MessagesRequest(_Conversation):
         return value
 
     @model_validator(mode="after")
-    def _check_budget(self) -> MessagesRequest:
-        if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
+    def _check_budget(self) -> _Body:
+        max_tokens = getattr(self, "max_tokens", None)
+        if isinstance(self.thinking, ThinkingEnabled) and max_tokens is not None \
+                and self.thinking.budget_tokens >= max_tokens:
             raise ValueError(f"thinking.budget_tokens ({self.thinking.budget_tokens}) must be less than max_tokens "
-                             f"({self.max_tokens}).")
+                             f"({max_tokens}).")
         return self
+
+
+class MessagesRequest(_Body):
+    """``POST /v1/messages``."""
+
+    max_tokens: Annotated[int, Field(ge=1)]
+
+
+class CountTokensRequest(_Body):
+    """``POST /v1/messages/count_tokens``: the body of a message request, whose prompt is
+    rendered and counted, not run; ``max_tokens`` is optional, and ``compaction`` is ignored, as
+    Anthropic's count ignores it. The sampling fields are checked, and change no count."""
+
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    ignored: ClassVar[tuple[str, ...]] = ("compaction",)

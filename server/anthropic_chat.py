@@ -62,7 +62,7 @@ def chat_request(body: MessagesRequest | CountTokensRequest, keep_billing_header
     if body.output_config is not None and body.output_config.format is not None:
         data["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": body.output_config.format.schema_}}
-    if isinstance(body, MessagesRequest):
+    if isinstance(body, MessagesRequest):  # a count runs nothing: no sampling, no max_tokens to check
         data.update({key: value for key, value in (
             ("max_tokens", body.max_tokens), ("stop", body.stop_sequences), ("temperature", body.temperature),
             ("top_p", body.top_p), ("top_k", body.top_k)) if value is not None})
@@ -148,7 +148,7 @@ def _tools(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of the chat request: ``auto`` and
     ``none`` without tools say nothing (Anthropic takes them), ``any`` is ``required``."""
     fields: dict[str, Any] = {}
-    if body.tools is not None:
+    if body.tools:  # an empty list is no tools, as Anthropic reads it
         fields["tools"] = [{"type": "function", "function": {
             "name": tool.name, "parameters": tool.input_schema,
             **({"description": tool.description} if tool.description is not None else {}),

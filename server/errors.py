@@ -79,11 +79,13 @@ def _param_path(loc: tuple[int | str, ...], kind: str) -> list[str]:
     return [str(p) for p in parts if isinstance(p, int) or (p not in _UNION_MEMBER_TAGS and "[" not in p)] + last
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+def _describe_validation(exc: RequestValidationError, deepest: bool = False) -> tuple[str, str | None]:
+    """The message and parameter of the first error (``deepest``: of the one deepest in the body,
+    which for a value that matched no member of a union is the member the client meant)."""
     errors = exc.errors()
     if not errors:
         return "Invalid request body.", None
-    first = errors[0]
+    first = max(errors, key=lambda error: len(error.get("loc", ()))) if deepest else errors[0]
     kind = first.get("type", "")
     loc = _param_path(tuple(first.get("loc", ())), kind)
     param = ".".join(loc) or None
@@ -113,7 +115,7 @@ def install_error_handlers(app: FastAPI) -> None:
             given = f"Unsupported Content-Type {kind[:100]!r}" if kind else "No Content-Type"
             return error_response(415, f"{given}: this route takes a JSON body; send it with 'Content-Type: "
                                        "application/json'.", code="unsupported_media_type", path=request.url.path)
-        message, param = _describe_validation(exc)
+        message, param = _describe_validation(exc, deepest=is_messages_path(request.url.path))
         return error_response(400, message, param, "invalid_value" if param else "invalid_request",
                               path=request.url.path)
 
