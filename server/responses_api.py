@@ -29,7 +29,7 @@ from server.chat import chat_steps, off_loop, prepare_chat, ready
 from server.errors import APIError
 from server.response_store import ResponseStore, is_response_id
 from server.responses import Job
-from server.responses_input import ITEMS, chat_messages, chat_request, new_id, normalize, responses_error
+from server.responses_input import ITEMS, chat_messages, chat_request, namespaces, new_id, normalize, responses_error
 from server.responses_protocol import ResponsesRequest, refuse_unsupported
 from server.responses_stream import Event, ResponseRun, response_skeleton
 from server.streaming import admit, until_disconnect
@@ -53,7 +53,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     conversation = _history(store, body.previous_response_id) + normalize(body)
     job, conversation = await _prepare(body, conversation, request)
     await admit([job], request)
-    run = ResponseRun(response_skeleton(body, new_id("resp"), job.model), body.wants_logprobs())
+    run = ResponseRun(response_skeleton(body, new_id("resp"), job.model), body.wants_logprobs(), namespaces(body))
 
     def keep(response: dict[str, Any]) -> None:
         if body.store and response["status"] != "in_progress":

@@ -25,7 +25,8 @@ from pydantic import TypeAdapter, ValidationError
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.responses_protocol import (AllowedToolsChoice, FunctionCallItem, FunctionCallOutputItem, FunctionChoice,
-                                       FunctionTool, Item, MessageItem, ReasoningItem, ResponsesRequest)
+                                       FunctionTool, Item, MessageItem, NamespaceTool, ReasoningItem,
+                                       ResponsesRequest)
 
 ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[Item])
 _EFFORT = {"max": "xhigh"}  # the chat request's efforts stop at xhigh; any effort but "none" thinks
@@ -62,11 +63,13 @@ def _normalized(index: int, item: Any) -> dict[str, Any]:
     if isinstance(item, FunctionCallItem):
         _check_arguments(index, item.arguments)
         return {"id": item.id or new_id("fc"), "type": "function_call", "call_id": item.call_id, "name": item.name,
-                "arguments": item.arguments, "status": item.status or "completed"}
+                "arguments": item.arguments, "status": item.status or "completed",
+                **({"namespace": item.namespace} if item.namespace else {})}
     if isinstance(item, FunctionCallOutputItem):
         output = item.output if isinstance(item.output, str) else [p.model_dump() for p in item.output]
         return {"id": item.id or new_id("fco"), "type": "function_call_output", "call_id": item.call_id,
-                "output": output, "status": item.status or "completed"}
+                "output": output, "status": item.status or "completed",
+                **{key: value for key in ("name", "namespace") if (value := getattr(item, key))}}
     assert isinstance(item, ReasoningItem)
     return item.model_dump(exclude_none=True) | {"id": item.id or new_id("rs")}
 
@@ -117,11 +120,23 @@ def _assistant(content: str | None, reasoning: list[str]) -> dict[str, Any]:
     return message
 
 
+def functions(body: ResponsesRequest) -> list[FunctionTool]:
+    """Every function the request offers: its function tools and those of its namespaces."""
+    return [member for tool in body.tools or ()
+            for member in (tool.tools if isinstance(tool, NamespaceTool) else [tool])]
+
+
+def namespaces(body: ResponsesRequest) -> dict[str, str]:
+    """The namespace of each function that has one, by function name."""
+    return {member.name: tool.name for tool in body.tools or () if isinstance(tool, NamespaceTool)
+            for member in tool.tools}
+
+
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request that runs ``body`` on ``messages`` (400 if the chat path refuses a value)."""
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
                               "temperature": body.temperature, "top_p": body.top_p, "user": body.user}
-    tools = [t for t in body.tools or () if isinstance(t, FunctionTool)]
+    tools = functions(body)
     choice = body.tool_choice
     if isinstance(choice, AllowedToolsChoice):  # only the allowed ones are shown to the model
         allowed = [t.name for t in choice.tools]

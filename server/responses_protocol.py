@@ -25,8 +25,7 @@ from server.text_check import invalid_text_path
 Status = Literal["in_progress", "completed", "incomplete"]
 BUILTIN_TOOLS = ("file_search", "computer", "computer_use_preview", "computer_use", "web_search",
                  "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "mcp",
-                 "code_interpreter", "image_generation", "local_shell", "shell", "custom", "namespace",
-                 "tool_search", "apply_patch", "programmatic_tool_calling")
+                 "code_interpreter", "image_generation", "local_shell", "shell", "custom", "tool_search", "apply_patch", "programmatic_tool_calling")
 BUILTIN_ITEMS = ("item_reference", "file_search_call", "computer_call", "computer_call_output", "web_search_call",
                  "tool_search_call", "tool_search_output", "additional_tools", "image_generation_call",
                  "code_interpreter_call", "local_shell_call", "local_shell_call_output", "shell_call",
@@ -140,6 +139,7 @@ class FunctionCallItem(_Strict):
     arguments: str  # JSON text
     id: str | None = None
     status: Status | None = None
+    namespace: str | None = None  # the namespace tool the function belongs to
 
 
 class FunctionCallOutputItem(_Strict):
@@ -148,6 +148,8 @@ class FunctionCallOutputItem(_Strict):
     output: text_or(list[OutputPart])  # type: ignore[valid-type]
     id: str | None = None
     status: Status | None = None
+    name: str | None = None
+    namespace: str | None = None
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)  # type: ignore[union-attr]
@@ -203,7 +205,17 @@ class FunctionTool(_Strict):
     allowed_callers: list[Literal["direct"]] | None = None  # no programmatic tool calling here
 
 
-Tool = Annotated[FunctionTool | UnsupportedTool, Field(discriminator="type")]
+class NamespaceTool(_Strict):
+    """Function tools grouped under a name: each is offered as a function of its own, and its
+    calls come back with ``namespace`` set (Codex CLI groups its agent tools this way)."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: Annotated[list[FunctionTool], Field(min_length=1)]
+
+
+Tool = Annotated[FunctionTool | NamespaceTool | UnsupportedTool, Field(discriminator="type")]
 
 
 class FunctionChoice(_Strict):
@@ -315,6 +327,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["auto", "disabled"] | None = None
     include: list[Literal[INCLUDABLE]] | None = None  # type: ignore[valid-type]
     access_programs: AccessPrograms | None = None
+    client_metadata: dict[str, str] | None = None  # Codex CLI's request metadata: accepted, no effect
     image: ImageOptions | None = None
     # refused by refuse_unsupported, whatever their value
     background: bool | None = None

@@ -46,9 +46,11 @@ class ResponseRun:
     or ``fail``), each method returns the events it adds. ``logprobs``: output text carries
     log-probabilities (``include`` / ``top_logprobs``)."""
 
-    def __init__(self, response: dict[str, Any], logprobs: bool = False) -> None:
+    def __init__(self, response: dict[str, Any], logprobs: bool = False,
+                 namespaces: dict[str, str] | None = None) -> None:
         self.response = response
         self.logprobs = logprobs
+        self.namespaces = namespaces or {}  # function name -> its namespace tool's name
         self.reasoning_text = ""
         self._sequence = 0
         self._open: dict[str, Any] | None = None  # the item whose text is still arriving
@@ -134,6 +136,8 @@ class ResponseRun:
         function = call["function"]
         item = {"id": new_id("fc"), "type": "function_call", "call_id": call["id"], "name": function["name"],
                 "arguments": "", "status": "in_progress"}
+        if function["name"] in self.namespaces:
+            item["namespace"] = self.namespaces[function["name"]]
         self.response["output"].append(item)
         events = [self._event("response.output_item.added", output_index=len(self.response["output"]) - 1,
                               item=item)]
@@ -185,7 +189,7 @@ def response_skeleton(body: Any, response_id: str, model: str) -> dict[str, Any]
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p, "top_logprobs": body.top_logprobs or 0,
         "tool_choice": _dump(body.tool_choice) if body.tool_choice is not None else "auto",
-        "tools": [{**_dump(t), "parameters": t.parameters, "strict": t.strict} for t in body.tools or ()],
+        "tools": [_tool(t) for t in body.tools or ()],
         "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls,
         "previous_response_id": body.previous_response_id, "metadata": dict(body.metadata or {}),
         "store": body.store, "background": False, "text": {"format": {"type": "text"}, **text},
@@ -196,6 +200,12 @@ def response_skeleton(body: Any, response_id: str, model: str) -> dict[str, Any]
         "prompt_cache_retention": body.prompt_cache_retention,
         "service_tier": "default" if body.service_tier in (None, "auto") else body.service_tier, "usage": None,
     }
+
+
+def _tool(tool: Any) -> dict[str, Any]:
+    if tool.type == "namespace":
+        return {**_dump(tool), "tools": [_tool(t) for t in tool.tools]}
+    return {**_dump(tool), "parameters": tool.parameters, "strict": tool.strict}
 
 
 def _dump(value: Any) -> Any:

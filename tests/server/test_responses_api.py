@@ -191,6 +191,22 @@ def test_a_function_call_round_trip(sdk: openai.OpenAI, http: httpx.Client) -> N
                for t in TOOLS]))
 
 
+def test_a_namespace_offers_its_functions(sdk: openai.OpenAI) -> None:
+    namespace = {"type": "namespace", "name": "weather", "description": "Weather tools", "tools": [TOOLS[0]]}
+    response = create(sdk, input="What is the weather in Paris?", tools=[namespace, TOOLS[1]],
+                      tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80,
+                      extra_body={"client_metadata": {"session_id": "s1"}})
+    call = response.output[-1]
+    check_call(call, "get_weather")
+    assert call.namespace == "weather" and response.tools[0].type == "namespace"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C", "namespace": "weather"}
+    follow = create(sdk, input=[call.model_dump(exclude_none=True), result], previous_response_id=response.id,
+                    tools=[namespace], max_output_tokens=4)
+    items = sdk.responses.input_items.list(follow.id, order="asc").data
+    assert [(i.type, getattr(i, "namespace", None)) for i in items[-2:]] == [("function_call", "weather"),
+                                                                              ("function_call_output", "weather")]
+
+
 def test_a_streamed_call_arrives_as_argument_events(sdk: openai.OpenAI) -> None:
     with sdk.responses.stream(model=MODEL_ID, input="What is the weather in Paris?", tools=TOOLS, temperature=0,
                               tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80) as stream:

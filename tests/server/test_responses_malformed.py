@@ -82,6 +82,9 @@ FIELDS: dict[str, dict[str, Any]] = {
                                                              "computer_use_preview", "code_interpreter",
                                                              "image_generation", "mcp", "local_shell", "custom",
                                                              "shell", "apply_patch")},
+        "namespace-empty": [{"type": "namespace", "name": "n", "tools": []}],
+        "namespace-builtin": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}],
+        "namespace-duplicate": [FUNCTION, {"type": "namespace", "name": "n", "tools": [FUNCTION]}],
         "unknown-type": [{"type": "teleport"}], "deep-list": DEEP_LIST},
     "tool_choice": {
         **wrong_types("str", "object"), "unknown-string": "sometimes", "empty-object": {},
@@ -127,6 +130,7 @@ FIELDS: dict[str, dict[str, Any]] = {
     "moderation": {"object": {"model": "omni-moderation-latest"}},
     "context_management": {"compaction": [{"type": "compaction"}]},
     "max_tool_calls": {**wrong_types("int"), "zero": 0},
+    "client_metadata": {**wrong_types("object"), "int-value": {"k": 1}},
 }
 UNKNOWN_FIELDS = ("frobnicate", "messages", "max_tokens", "seed", "top_k", "n", "stop", "response_format",
                   "logprobs", "cache_salt")
