@@ -4,8 +4,9 @@ FastAPI's own document says 422 for validation errors (the server answers 400, i
 shape), lists no other error status and has empty response schemas for routes that build their
 bodies by hand. ``install_openapi`` replaces it with one that has, per route: the response
 models below (documentation only: the routes keep building their bodies), every error status
-the route can answer with the error shape as its schema, ``text/event-stream`` beside JSON for
-the streaming routes and ``text/plain`` for ``/metrics``.
+the route can answer with the error shape as its schema (Anthropic's, with its 529 for 503, on the
+Messages API's routes), ``text/event-stream`` beside JSON for the streaming routes and
+``text/plain`` for ``/metrics``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
+
+from server.anthropic_errors import is_messages_path
 
 
 class _Open(BaseModel):
@@ -131,12 +134,50 @@ class ResponseItemList(_Open):
     has_more: bool
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error of the Messages API's routes: Anthropic's error shape."""
+
+    type: str
+    error: AnthropicErrorDetail
+    request_id: str
+
+
+class AnthropicUsage(_Open):
+    input_tokens: int  # prompt tokens not read from the prefix cache
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int  # prompt tokens read from the prefix cache
+    output_tokens: int
+
+
+class AnthropicMessage(_Open):
+    """``POST /v1/messages``: content blocks ``thinking``, ``text`` and ``tool_use``."""
+
+    id: str
+    type: str
+    role: str
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
 _MODELS = (ErrorResponse, ModelList, ModelCard, ChatCompletion, Completion, Health, CacheReset, ResponseObject,
-           ResponseDeleted, ResponseItemList)
+           ResponseDeleted, ResponseItemList, AnthropicErrorResponse, AnthropicMessage, TokenCount)
 _WHY = {400: "Invalid request (validation errors included)", 401: "Missing or wrong API key (with --api-key)",
         403: "Host or Origin not allowed", 404: "No such model, or no such stored response", 413: "Request body over --max-request-bytes",
         415: "The body is not JSON (Content-Type)", 429: "The waiting queue is full (Retry-After)",
-        500: "Generation failed inside the engine", 503: "The model is loading or failed to load"}
+        500: "Generation failed inside the engine", 503: "The model is loading or failed to load",
+        529: "Overloaded: the model is loading or the engine is full (Anthropic's 503)"}
 _KEYED = (401,)
 _ANY = (403, 413)
 _GENERATE = (400, 404, 415, 429, 500, 503)
@@ -151,6 +192,13 @@ _RESPONSE_STREAM = {"type": "object", "required": ["event", "data"],
                                    "response.output_text.delta, ..., response.completed / response.incomplete / "
                                    "response.failed, error) and `data` its JSON, with `type` and `sequence_number`",
                     "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
+# the Messages API's stream: named events (`event` is the payload's `type`), no [DONE]
+_MESSAGE_STREAM = {"type": "object", "required": ["event", "data"],
+                   "description": "One server-sent event: `event` is its type (message_start, content_block_start, "
+                                  "content_block_delta, content_block_stop, message_delta, message_stop, ping, "
+                                  "error) and `data` its JSON, whose `type` is the same",
+                   "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
+_ANTHROPIC_GENERATE = (400, 404, 415, 429, 500, 529)
 # path -> method -> (200's model name or None, extra media types of the 200, error statuses)
 _ROUTES: dict[str, dict[str, tuple[str | None, dict[str, Any], tuple[int, ...]]]] = {
     "/v1/chat/completions": {"post": ("ChatCompletion", {"text/event-stream": {"schema": _STREAM}},
@@ -166,6 +214,9 @@ _ROUTES: dict[str, dict[str, tuple[str | None, dict[str, Any], tuple[int, ...]]]
     "/v1/responses/{response_id}": {"get": ("ResponseObject", {}, _KEYED + _ANY + (404,)),
                                     "delete": ("ResponseDeleted", {}, _KEYED + _ANY + (404,))},
     "/v1/responses/{response_id}/input_items": {"get": ("ResponseItemList", {}, _KEYED + _ANY + (400, 404))},
+    "/v1/messages": {"post": ("AnthropicMessage", {"text/event-stream": {"schema": _MESSAGE_STREAM}},
+                              _KEYED + _ANY + _ANTHROPIC_GENERATE)},
+    "/v1/messages/count_tokens": {"post": ("TokenCount", {}, _KEYED + _ANY + (400, 404, 415, 529))},
 }
 
 
@@ -200,10 +251,11 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
                                                 "example": "# HELP kvarn_requests_total ..."}}
             elif "content" in ok and ok["content"].get("application/json", {}).get("schema") == {}:
                 ok["content"]["application/json"]["schema"] = {"type": "object"}
+            error_model = "AnthropicErrorResponse" if is_messages_path(path) else "ErrorResponse"
             for status in sorted((*errors, 503) if path == "/health" else errors):
                 responses[str(status)] = {"description": _WHY[status], "content": {
                     "application/json": {"schema": _health_503() if path == "/health" and status == 503
-                                         else {"$ref": "#/components/schemas/ErrorResponse"}}}}
+                                         else {"$ref": f"#/components/schemas/{error_model}"}}}}
     return schema
 
 

@@ -22,7 +22,8 @@ router = APIRouter()
 _STARTED = int(time.time())
 
 
-@router.api_route("/", methods=["GET", "HEAD"])
+@router.get("/")
+@router.head("/")
 async def root(request: Request) -> JSONResponse:
     """What this server is (clients such as Claude Code probe ``HEAD /`` before their first request)."""
     return JSONResponse({"name": "kvarn", "version": request.app.version})

@@ -17,6 +17,8 @@ import httpx
 import jsonschema
 import pytest
 
+from server.cli import _server_config, build_parser
+from server.errors import error_response
 from tests.server.conftest import API_KEY, MODEL_ID, Server, client_of, post_json, served
 from tests.think_model import make_think_model
 
@@ -224,6 +226,28 @@ def test_headers_and_beta_query_are_accepted(http: httpx.Client) -> None:
     assert response.status_code == 200 and response.json()["usage"]["output_tokens"] <= 2
 
 
+def test_overloaded_is_anthropics_529() -> None:
+    """The server's 503s (a model still loading, an engine that is full) are Anthropic's 529 on
+    these routes, and stay 503 in OpenAI's shape elsewhere."""
+    ours = error_response(503, "The model is still loading.", path="/v1/messages", headers={"Retry-After": "1"})
+    assert (ours.status_code, ours.headers["retry-after"]) == (529, "1")
+    assert json.loads(ours.body)["error"] == {"type": "overloaded_error", "message": "The model is still loading."}
+    assert error_response(503, "x", path="/v1/chat/completions").status_code == 503
+
+
+def test_the_openapi_document_has_the_routes(http: httpx.Client) -> None:
+    document = http.get("/openapi.json").json()
+    create = document["paths"]["/v1/messages"]["post"]
+    assert sorted(create["responses"]) == ["200", "400", "401", "403", "404", "413", "415", "429", "500", "529"]
+    assert create["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("AnthropicErrorResponse")
+    assert set(create["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert create["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("MessagesRequest")
+    count = document["paths"]["/v1/messages/count_tokens"]["post"]
+    assert count["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("TokenCount")
+    assert "422" not in count["responses"] and "max_tokens" in document["components"]["schemas"]["MessagesRequest"][
+        "required"]
+
+
 # --- auth ---
 def test_x_api_key_auth(auth_server: Server) -> None:
     assert sdk_of(auth_server, API_KEY).messages.create(model=MODEL_ID, max_tokens=2, messages=ask("hi")).content
@@ -254,6 +278,12 @@ def billed(client: anthropic.Anthropic, nonce: str, tag: str, count: bool = Fals
     if count:
         return client.messages.count_tokens(model=MODEL_ID, system=system, messages=ask("hi"))
     return client.messages.create(model=MODEL_ID, max_tokens=2, system=system, messages=ask("hi"), extra_body=GREEDY)
+
+
+def test_the_billing_flag() -> None:
+    parse = build_parser().parse_args
+    assert _server_config(parse(["serve", "--keep-billing-header"])).keep_billing_header is True
+    assert _server_config(parse(["serve"])).keep_billing_header is False
 
 
 def test_the_billing_line_is_dropped(claude: anthropic.Anthropic, keeping: Server) -> None:
