@@ -186,6 +186,16 @@ def test_a_tool_round_trip_renders_as_the_chat_conversation(claude: anthropic.An
     assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
 
 
+def test_a_json_schema_output(claude: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"command": {"enum": ["ls", "cd", "pwd"]}}, "required": ["command"],
+              "additionalProperties": False}
+    message = claude.messages.create(model=MODEL_ID, max_tokens=40, messages=ask("Which command lists files?"),
+                                     output_config={"format": {"type": "json_schema", "schema": schema}},
+                                     extra_body=GREEDY)
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), schema)
+
+
 def test_count_tokens_is_the_prompt_that_runs(claude: anthropic.Anthropic) -> None:
     body = {"model": MODEL_ID, "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
             "messages": [*ask("List files"), {"role": "assistant", "content": "Use ls."}, *ask("And hidden ones?")],
@@ -319,6 +329,8 @@ def test_thinking_makes_a_thinking_block(thinker: anthropic.Anthropic) -> None:
     assert [b.model_dump() for b in final.content] == [b.model_dump() for b in message.content]
     off = thinker.messages.create(**{**body, "thinking": {"type": "disabled"}})
     assert all(block.type != "thinking" for block in off.content)
+    hidden = thinker.messages.create(**{**body, "thinking": {"type": "adaptive", "display": "omitted"}})
+    assert [(b.type, b.thinking, b.signature) for b in hidden.content] == [("thinking", "", message.content[0].signature)]
 
 
 def test_thinking_switches_the_template(thinker: anthropic.Anthropic) -> None:
