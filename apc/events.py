@@ -30,12 +30,27 @@ from __future__ import annotations
 
 import hashlib
 import time
+from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
 from apc.hashing import BlockKey
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``endpoint``: the PUB socket; ``replay_endpoint``: the ROUTER socket (None: no replay);
+    ``block_size``: the routers' block size (``apc.events``)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    block_size: int = 16
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+
 
 MEDIUM_MEMORY = "GPU"
 MEDIUM_DISK = "DISK"

@@ -18,33 +18,19 @@ import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
 import msgspec
 import zmq
 
-from apc.events import make_batch
+from apc.events import KVEventsConfig, make_batch
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05
 _MAX_BATCH = 1024  # events a batch holds at most
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """``endpoint``: the PUB socket; ``replay_endpoint``: the ROUTER socket (None: no replay);
-    ``block_size``: the routers' block size (``apc.events``)."""
-
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-    block_size: int = 16
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
 
 
 class ZmqPublisher:

@@ -3,6 +3,7 @@
 This is the public API the server may use. Importing it imports MLX.
 """
 
+from apc.events import KVEventsConfig
 from engine.constraints import Constraint, ConstraintError, GrammarSpec, tagged_json_lark
 from engine.bench import BenchConfig, BenchReport, run_bench
 from engine.chat_output import ChatFormat, OutputParser, ParsedCall, ParsedDelta
@@ -28,7 +29,7 @@ def attention_in_force() -> str:
 __all__ = [
     "ApcConfig", "attention_in_force", "BenchConfig", "BenchReport", "BUNDLED_MODEL_DIR", "ChatFormat",
     "Constraint", "ConstraintError", "DTYPES", "Engine", "EngineClient", "EngineConfig", "EngineNotReady",
-    "FinishReason", "GrammarSpec", "KVConfig", "load_model", "LoadedModel", "make_engine", "MAX_TOP_LOGPROBS",
+    "FinishReason", "GrammarSpec", "KVConfig", "KVEventsConfig", "load_model", "LoadedModel", "make_engine", "MAX_TOP_LOGPROBS",
     "ModelInfo", "OutputParser", "ParsedCall", "ParsedDelta", "Request", "RequestId", "RequestOutput",
     "RequestRejected", "run_bench", "SamplingParams", "SchedulerConfig", "tagged_json_lark", "TokenLogprob",
     "MAX_FORCED_CALLS", "tool_call_grammar",

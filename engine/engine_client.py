@@ -45,7 +45,7 @@ class EngineConfig:
     parse_special: bool = False
     # run engine/warm_up.py's workload before serving (None: where MLX's default device is a GPU)
     warm_up: bool | None = None
-    # publish the prefix cache's changes to routers (an apc.publisher.KVEventsConfig; None: off)
+    # publish the prefix cache's changes to routers (an apc.events.KVEventsConfig; None: off)
     kv_events: Any = None
 
 

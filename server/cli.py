@@ -364,7 +364,7 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
     return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir, disk_bytes=args.apc_disk_bytes)
 
 
-def _kv_events_config(args: argparse.Namespace):  # -> apc.publisher.KVEventsConfig | None
+def _kv_events_config(args: argparse.Namespace):  # -> engine.KVEventsConfig | None
     endpoint, replay = args.kv_events_endpoint, args.kv_events_replay_endpoint
     if endpoint is None:
         if replay is not None:
@@ -376,7 +376,7 @@ def _kv_events_config(args: argparse.Namespace):  # -> apc.publisher.KVEventsCon
         raise SystemExit("kvarn serve: --kv-events-block-size must be >= 1")
     if args.kv_tile % args.kv_events_block_size:
         raise SystemExit(f"kvarn serve: --kv-events-block-size must divide the cache's block size {args.kv_tile}")
-    from apc.publisher import KVEventsConfig
+    from engine import KVEventsConfig
 
     return KVEventsConfig(endpoint, replay, args.kv_events_topic, args.kv_events_block_size)
 

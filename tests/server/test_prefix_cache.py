@@ -565,7 +565,8 @@ class _FakeClient:
         return [ord(c) % 256 for c in text]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not add_generation_prompt and len(messages) == 1:
             if self.system_fails:
                 raise ValueError("this template cannot render a lone system turn")
