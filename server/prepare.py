@@ -11,7 +11,8 @@ from typing import Any
 
 from engine import EngineClient, ModelInfo, SamplingParams
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from server.protocol import AudioPart, ChatCompletionRequest, ChatMessage, CompletionRequest, FilePart, \
+    ImagePart, RefusalPart, _Sampling
 from server.tools import template_messages
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,12 @@ MAX_PROMPTS = 256  # prompts of one /v1/completions request (each is its own eng
 
 
 def check_unsupported(body: _Sampling) -> None:
+    """Refuse what this server cannot do (400s naming the field), and write the request's debug
+    log line: who asked (``user``, ``safety_identifier``, ``metadata``: kept for the log only)."""
+    logger.debug("request model=%s user=%s safety_identifier=%s metadata=%s", body.model, body.user,
+                 getattr(body, "safety_identifier", None), getattr(body, "metadata", None))
+    if isinstance(body, ChatCompletionRequest):
+        _check_chat_capabilities(body)
     if body.n > MAX_CHOICES:
         raise APIError(400, f"n must be at most {MAX_CHOICES}.", param="n", code="invalid_value")
     if isinstance(body, CompletionRequest):
@@ -39,6 +46,57 @@ def check_unsupported(body: _Sampling) -> None:
             raise APIError(400, "max_tokens must be greater than or equal to 1 (0 only with echo: the prompt, and "
                                 "with logprobs its log-probabilities, without a completion).", param="max_tokens",
                            code="invalid_value")
+
+
+_LEGACY_FUNCTIONS = ("The deprecated 'functions' and 'function_call' are not supported; send the functions as "
+                     "'tools' ([{\"type\": \"function\", \"function\": {...}}]) and choose with 'tool_choice'.")
+_TEXT_ONLY = "this server's models read and write text only"
+
+
+def _check_chat_capabilities(body: ChatCompletionRequest) -> None:
+    """Output other than text, web search, moderation and the deprecated function fields: 400s."""
+    if body.modalities is not None and any(m != "text" for m in body.modalities):
+        raise _unsupported("modalities", f"Audio output is not supported: {_TEXT_ONLY}; send modalities: [\"text\"].")
+    for field, what in (("audio", "Audio output"), ("web_search_options", "Web search (this server searches "
+                        "nothing)"), ("moderation", "Moderation (this server runs no moderation model)")):
+        if getattr(body, field) is not None:
+            raise _unsupported(field, f"{what} is not supported; leave out '{field}'.")
+    for field in ("functions", "function_call"):
+        if getattr(body, field) is not None:
+            raise _unsupported(field, _LEGACY_FUNCTIONS)
+    for i, message in enumerate(body.messages):
+        _check_message(i, message)
+
+
+_PART_NAMES = {ImagePart: "Image", AudioPart: "Audio", FilePart: "File"}
+
+
+def _check_message(index: int, message: ChatMessage) -> None:
+    at = f"messages[{index}]"
+    if message.role == "function":
+        raise _unsupported(f"{at}.role", "The deprecated 'function' role is not supported; send a function's result "
+                                         "as a 'tool' message with the 'tool_call_id' of its call.")
+    if message.function_call is not None:
+        raise _unsupported(f"{at}.function_call", "The deprecated 'function_call' of an assistant message is not "
+                                                  "supported; send the call in 'tool_calls'.")
+    if message.audio is not None:
+        raise _unsupported(f"{at}.audio", f"Audio answers are not supported: {_TEXT_ONLY}.")
+    for j, call in enumerate(message.tool_calls or ()):
+        if call.type == "custom":
+            raise _unsupported(f"{at}.tool_calls[{j}]", "Custom tool calls are not supported: this server serves "
+                                                        "function tools only.")
+    for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        if type(part) in _PART_NAMES:  # the parameter named as a validation error names the content
+            raise APIError(400, f"{_PART_NAMES[type(part)]} input is not supported: {_TEXT_ONLY}; send text parts "
+                                f"(messages[{index}].content[{j}] is of type '{part.type}').",
+                           param=f"messages.{index}.content", code="invalid_value")
+        if isinstance(part, RefusalPart) and message.role != "assistant":
+            raise APIError(400, f"Invalid value for '{at}.content[{j}]': refusal parts are only allowed in assistant "
+                                f"messages.", param=f"{at}.content[{j}]", code="invalid_value")
+
+
+def _unsupported(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_value")
 
 
 # the chat template's own arguments, which chat_template_kwargs must not override
@@ -152,6 +210,7 @@ def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, defaul
         min_p=body.min_p or 0.0,
         seed=body.seed,
         stop=body.stop_strings(),
+        include_stop_str_in_output=body.no_stop_trim,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=tuple(bias),

@@ -25,11 +25,69 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # OpenAI pads its chunks with an ``obfuscation`` field against length side channels; this
+    # server's chunks carry none, whatever this says
+    include_obfuscation: bool | None = None
+
+
+class CacheBreakpoint(_Strict):
+    """OpenAI's explicit prompt-cache breakpoint on a content part: accepted, no effect (the
+    prefix cache here is content-addressed: every block of a prompt is cached)."""
+
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = None
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+
+class RefusalPart(_Strict):
+    """An earlier assistant turn's refusal, sent back in the conversation (read as its text)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high", "original"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+
+class InputAudio(_Strict):
+    data: str
+    format: Literal["wav", "mp3"]
+
+
+class AudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+
+class FileData(_Strict):
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+
+
+class FilePart(_Strict):
+    type: Literal["file"]
+    file: FileData
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
+
+
+# image, audio and file parts are read so that their refusal names them (server/prepare.py:
+# check_unsupported): the served models take text only
+ContentPart = Annotated[TextPart | RefusalPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
 
 
 MAX_FUNCTION_NAME_CHARS = 64
@@ -40,12 +98,35 @@ class FunctionCall(_Strict):
     arguments: str  # JSON text, as OpenAI sends it
 
 
+class CustomCallInput(_Strict):
+    name: str
+    input: str
+
+
 class ToolCall(_Strict):
-    """A call an earlier assistant message made (sent back in the conversation)."""
+    """A call an earlier assistant message made (sent back in the conversation): a function's,
+    or a custom tool's (``type: "custom"``, read so that its refusal names it: only function tools
+    are served)."""
 
     id: str
-    type: Literal["function"]
-    function: FunctionCall
+    type: Literal["function", "custom"]
+    function: FunctionCall | None = None
+    custom: CustomCallInput | None = None
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> ToolCall:
+        _check_kind(self, ("function", "custom"))
+        return self
+
+
+def _check_kind(entry: BaseModel, kinds: tuple[str, ...]) -> None:
+    """An entry whose ``type`` names which of its ``kinds`` fields it carries: that one, alone."""
+    kind = getattr(entry, "type")
+    if getattr(entry, kind) is None:
+        raise ValueError(f"'{kind}' is required with type '{kind}'")
+    other = next((k for k in kinds if k != kind and getattr(entry, k) is not None), None)
+    if other is not None:
+        raise ValueError(f"'{other}' is not allowed with type '{kind}'")
 
 
 class FunctionDefinition(_Strict):
@@ -55,9 +136,34 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
+class GrammarFormat(_Strict):
+    definition: str
+    syntax: Literal["lark", "regex"]
+
+
+class CustomFormat(_Strict):
+    type: Literal["text", "grammar"]
+    grammar: GrammarFormat | None = None
+
+
+class CustomDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]+$", max_length=MAX_FUNCTION_NAME_CHARS)]
+    description: str | None = None
+    format: CustomFormat | None = None
+
+
 class ToolDefinition(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
+    """A function tool, or OpenAI's custom tool (``type: "custom"``, free-text input: read so that
+    its refusal names it, server/tools.py)."""
+
+    type: Literal["function", "custom"]
+    function: FunctionDefinition | None = None
+    custom: CustomDefinition | None = None
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> ToolDefinition:
+        _check_kind(self, ("function", "custom"))
+        return self
 
 
 class FunctionName(_Strict):
@@ -69,22 +175,58 @@ class NamedToolChoice(_Strict):
     function: FunctionName
 
 
+class NamedCustomToolChoice(_Strict):
+    type: Literal["custom"]
+    custom: FunctionName
+
+
+class AllowedTools(_Strict):
+    """``mode`` ``auto`` or ``required``, over ``tools`` (a subset of the request's, by name)."""
+
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[Annotated[NamedToolChoice | NamedCustomToolChoice, Field(discriminator="type")]],
+                     Field(min_length=1)]
+
+
+class AllowedToolChoice(_Strict):
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+class LegacyFunction(_Strict):
+    """An entry of the deprecated ``functions`` list (refused with a pointer to ``tools``)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class AssistantAudio(_Strict):
+    id: str
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # "function": the deprecated function-result turn, refused with a pointer to "tool"
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
     # what the SDK sends back when a client appends a response's message to the conversation
     refusal: str | None = None
     reasoning_content: str | None = None
+    audio: AssistantAudio | None = None  # an earlier audio answer: none is ever made here (a 400)
+    function_call: FunctionCall | None = None  # the deprecated form of tool_calls (a 400)
 
     def text(self) -> str:
+        """The turn's text: its string, or its text and refusal parts joined (other parts have no
+        text: requests with them are refused before a prompt is built)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else part.refusal
+                       for part in self.content if isinstance(part, (TextPart, RefusalPart)))
 
 
 def _schema_required(schema: dict[str, Any]) -> None:
@@ -177,6 +319,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     ignore_eos: bool = False
+    no_stop_trim: bool = False  # SGLang's (vllm-router sends it): a matched stop string stays at the text's end
     # vLLM's extra field: the prefix cache serves this request only blocks cached under the same
     # salt (tenants that must not share cached prefixes each send their own); "" is no salt
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
@@ -238,20 +381,98 @@ class _Sampling(_Strict):
         return self.cache_salt or None
 
 
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+MAX_SAFETY_IDENTIFIER_CHARS = 128
+
+
+class OutputAudio(_Strict):
+    """``audio``: spoken output (refused: the served models write text only)."""
+
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
+    voice: str | AssistantAudio
+
+
+class WebSearchOptions(_Strict):
+    """``web_search_options`` (refused: this server searches nothing)."""
+
+    search_context_size: Literal["low", "medium", "high"] | None = None
+    user_location: dict[str, Any] | None = None
+
+
+class Prediction(_Strict):
+    """A Predicted Output: text the answer is expected to repeat. Accepted, no effect: the
+    answer is what it would be without it."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+class PromptCacheOptions(_Strict):
+    """OpenAI's prompt-cache options: accepted, no effect (the prefix cache is content-addressed
+    and keeps blocks until memory or disk is needed)."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
+class Moderation(_Strict):
+    """``moderation`` (refused: this server runs no moderation model)."""
+
+    model: str
+    policy: dict[str, Any] | None = None
+
+
 class ChatCompletionRequest(_Sampling):
+    """Every field of OpenAI's Chat Completions reference, each with its meaning here (README's
+    Endpoints section), plus vLLM's extras. Fields for capabilities this server lacks (audio,
+    images, files, web search, moderation, custom tools, the deprecated ``functions``) are read
+    so that ``server/prepare.py: check_unsupported`` refuses them by name."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: (Literal["none", "auto", "required"]
+                  | Annotated[NamedToolChoice | NamedCustomToolChoice | AllowedToolChoice, Field(discriminator="type")]
+                  | None) = None
     parallel_tool_calls: bool | None = None
     # the reasoning switch of a thinking model: "none" renders the prompt with thinking off, any
     # other effort with it on (server/prepare.py: template_kwargs); no effect on other models
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # vLLM's extra field: variables handed to the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # no-ops, accepted as OpenAI defines them: this server keeps no chat completions (store), has
+    # one service tier (service_tier), and its prefix cache is content-addressed (prompt_cache_*)
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    # hints with no effect on this server's models (verbosity) or on the answer (prediction)
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: Prediction | None = None
+    # who asked: written to the request's debug log line (server/prepare.py: check_unsupported)
+    metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]] | None = None
+    safety_identifier: Annotated[str, Field(max_length=MAX_SAFETY_IDENTIFIER_CHARS)] | None = None
+    # capabilities this server lacks: refused by name (server/prepare.py: check_unsupported)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: OutputAudio | None = None
+    web_search_options: WebSearchOptions | None = None
+    moderation: Moderation | None = None
+    functions: Annotated[list[LegacyFunction], Field(min_length=1)] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"metadata holds at most {MAX_METADATA_PAIRS} key-value pairs")
+        long = next((key for key in value or {} if len(key) > MAX_METADATA_KEY_CHARS), None)
+        if long is not None:
+            raise ValueError(f"metadata keys are at most {MAX_METADATA_KEY_CHARS} characters; got {len(long)}")
+        return value
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

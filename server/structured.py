@@ -4,7 +4,7 @@
 |---|---|
 | ``response_format: {"type": "text"}`` (or none) | free |
 | ``response_format: {"type": "json_object"}`` | one JSON object |
-| ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`` | one JSON value valid under ``schema`` (enforced whatever ``strict`` says) |
+| ``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`` | one JSON value valid under ``schema``, its objects closed (``engine.constraints.closed_schema``); with ``strict: true`` no object may be open to any key (``strict_schema_problem``) |
 | ``guided_json`` (vLLM; a schema, or its JSON text) | as ``json_schema`` |
 | ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` (vLLM) | a match of the regex / one of the strings / text of the lark or GBNF grammar |
 
@@ -13,12 +13,21 @@ one may constrain a request. The grammar is compiled for the served model before
 queued (``EngineClient.compile_constraint``, on a thread): an invalid, unsatisfiable or
 unsupported one is a 400 in OpenAI's shape before any token. ``attach_constraint`` is the one way
 a route puts a constraint on a request (tool calls use it too).
+
+``strict`` (here and on a function tool) is OpenAI's Structured Outputs switch: the output
+follows the schema and no object in it takes a key the schema does not describe. Every schema is
+enforced whatever ``strict`` says, and objects that say nothing of ``additionalProperties`` are
+closed, so ``strict: true`` adds one check: an object open to any key (``additionalProperties``
+or ``unevaluatedProperties`` true or ``{}``) is a 400 naming the place. The rest of OpenAI's
+strict-mode subset is served as vLLM serves it: optional properties (written or left out, as the
+schema allows), typed maps, any root type, every keyword llguidance enforces.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 from engine import ConstraintError, EngineClient, EngineNotReady, GrammarSpec, SamplingParams
 from server.errors import APIError
@@ -38,6 +47,9 @@ def requested_grammar(body: _Sampling) -> tuple[GrammarSpec, str] | None:
         if fmt.json_schema.schema_ is None:
             raise APIError(400, "Missing required parameter: 'response_format.json_schema.schema'.",
                            param="response_format.json_schema.schema", code="missing_required_parameter")
+        if fmt.json_schema.strict:
+            check_strict(fmt.json_schema.schema_, f"response_format '{fmt.json_schema.name}'", "response_format",
+                         "invalid_schema")
         asked.append((_schema_spec(fmt.json_schema.schema_, "response_format"), "response_format"))
     for field in _GUIDED:
         value = getattr(body, field)
@@ -94,3 +106,45 @@ async def structured_params(body: _Sampling, client: EngineClient, params: Sampl
         return params
     spec, field = asked
     return await attach_constraint(client, params, spec, field)
+
+
+_OPENINGS = ("additionalProperties", "unevaluatedProperties")
+_STRICT_CHILDREN = ("items", "additionalProperties", "unevaluatedProperties", "not", "then", "else", "contains")
+_STRICT_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_STRICT_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def check_strict(schema: Any, what: str, param: str, code: str) -> None:
+    """A 400 about ``param`` when ``schema`` lets an object take keys of any name and any value,
+    which strict mode rules out (``what`` names it in the message: "response_format 'x'",
+    "function 'f'")."""
+    try:
+        problem = strict_schema_problem(schema, ())
+    except RecursionError:
+        problem = "the schema is nested too deeply."
+    if problem is not None:
+        raise APIError(400, f"Invalid schema for {what}: {problem}", param=param, code=code)
+
+
+def strict_schema_problem(schema: Any, context: tuple[str, ...]) -> str | None:
+    """The first object of ``schema`` open to anything (``additionalProperties`` or
+    ``unevaluatedProperties`` true or ``{}``), worded as OpenAI words it (``In
+    context=('properties', 'a'), ...``); None when there is none. A typed map
+    (``additionalProperties: {"type": "integer"}``) is not open to anything: it is served."""
+    if not isinstance(schema, dict):
+        return None
+    where = f"In context={context!r}, "
+    opened = next((key for key in _OPENINGS if schema.get(key, False) is True or schema.get(key) == {}), None)
+    if opened is not None:
+        return (f"{where}'{opened}' must be false or a schema in strict mode (got {json.dumps(schema[opened])}): "
+                f"strict output takes no key the schema does not describe.")
+    children = [((key,), schema[key]) for key in _STRICT_CHILDREN if isinstance(schema.get(key), dict)]
+    children += [((key, name), sub) for key in _STRICT_MAPS if isinstance(schema.get(key), dict)
+                 for name, sub in schema[key].items()]
+    children += [((key, str(i)), sub) for key in _STRICT_LISTS if isinstance(schema.get(key), list)
+                 for i, sub in enumerate(schema[key])]
+    for path, sub in children:
+        problem = strict_schema_problem(sub, context + path)
+        if problem is not None:
+            return problem
+    return None

@@ -10,6 +10,13 @@ agent loop starts with the same system turn, whatever it asks):
 | ``none`` | free; nothing is read as a call: the text stays in ``content`` (vLLM's behaviour) |
 | ``required`` | constrained to 1 to ``MAX_FORCED_CALLS`` calls (one with ``parallel_tool_calls: false``) of the given tools, arguments valid under their schemas |
 | ``{"type": "function", "function": {"name": ...}}`` | constrained to one call of that function |
+| ``{"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [...]}}`` | as ``required``, over the listed tools (every tool is still rendered) |
+| ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [...]}}`` | as ``auto``, with only the listed tools rendered (the model sees no other) |
+
+Forced calls' arguments are valid under the tools' schemas, their objects closed
+(``engine.constraints.closed_schema``); with ``strict: true`` no object of a function's schema may
+be open to any key (``server.structured.check_strict``). Custom tools (free-text input) are refused:
+only function tools are served.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from jsonschema.validators import Draft202012Validator, validator_for
 
 from engine import ConstraintError, EngineClient, ModelInfo, SamplingParams, tool_call_grammar
 from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from server.structured import attach_constraint
+from server.protocol import AllowedToolChoice, ChatCompletionRequest, ChatMessage, \
+    NamedCustomToolChoice, NamedToolChoice, ToolDefinition
+from server.structured import attach_constraint, check_strict
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -51,20 +59,34 @@ def plan_tools(body: ChatCompletionRequest, info: ModelInfo) -> ToolPlan:
                 raise APIError(400, f"Invalid value for '{field}': '{field}' is only allowed when 'tools' are "
                                     f"specified.", param=field, code="invalid_value")
         return ToolPlan()
+    custom = next((i for i, tool in enumerate(body.tools) if tool.type == "custom"), None)
+    if custom is not None:
+        raise APIError(400, f"Custom tools are not supported: this server serves function tools only; send "
+                            f"tools[{custom}] as {{\"type\": \"function\", \"function\": {{...}}}}.",
+                       param=f"tools[{custom}]", code="unsupported_value")
     if not info.chat_format.has_tool_calling:
         raise APIError(400, f"The model '{info.model_id}' has no tool-call format (its chat template names none "
                             f"that mlx-lm can parse), so it cannot take 'tools'.", param="tools",
                        code="unsupported_value")
-    names = [tool.function.name for tool in body.tools]
-    parameters = tuple((tool.function.name, _checked_parameters(i, tool.function.name, tool.function.parameters))
-                       for i, tool in enumerate(body.tools))
+    tools = body.tools
+    names = [tool.function.name for tool in tools]
+    parameters = tuple((tool.function.name, _checked_parameters(i, tool)) for i, tool in enumerate(tools))
     duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
     if duplicate is not None:
         raise APIError(400, f"Invalid 'tools': the function name '{duplicate}' is used twice.", param="tools",
                        code="invalid_value")
-    rendered = [tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in body.tools]
+    rendered = [tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in tools]
     choice = body.tool_choice or "auto"
     parallel = body.parallel_tool_calls is not False
+    if isinstance(choice, NamedCustomToolChoice):
+        raise APIError(400, "Invalid value for 'tool_choice': custom tools are not supported; name a function.",
+                       param="tool_choice", code="unsupported_value")
+    if isinstance(choice, AllowedToolChoice):
+        allowed = _allowed_names(choice, names)
+        if choice.allowed_tools.mode == "required":
+            return ToolPlan(rendered, True, allowed, None if parallel else 1, parameters)
+        return ToolPlan([r for r in rendered if r["function"]["name"] in allowed], True, (), None if parallel else 1,
+                        parameters)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise APIError(400, f"Invalid value for 'tool_choice': no function named '{choice.function.name}' is "
@@ -91,9 +113,25 @@ async def force_calls(client: EngineClient, info: ModelInfo, plan: ToolPlan, par
     return await attach_constraint(client, params, spec, "tools")
 
 
-def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+def _allowed_names(choice: AllowedToolChoice, names: list[str]) -> tuple[str, ...]:
+    """The function names ``allowed_tools`` lists, each one of ``names`` (400s otherwise)."""
+    allowed: list[str] = []
+    for i, entry in enumerate(choice.allowed_tools.tools):
+        param = f"tool_choice.allowed_tools.tools[{i}]"
+        if isinstance(entry, NamedCustomToolChoice):
+            raise APIError(400, f"Invalid value for '{param}': custom tools are not supported; list functions.",
+                           param=param, code="unsupported_value")
+        if entry.function.name not in names:
+            raise APIError(400, f"Invalid value for '{param}': no function named '{entry.function.name}' is in "
+                                f"'tools'.", param=param, code="invalid_value")
+        allowed.append(entry.function.name)
+    return tuple(dict.fromkeys(allowed))
+
+
+def _checked_parameters(index: int, tool: ToolDefinition) -> dict[str, Any] | None:
     """A function's ``parameters``: a valid JSON Schema for an object (OpenAI's rule), or None
-    (no parameters)."""
+    (no parameters); with ``strict: true``, none of its objects open to any key."""
+    name, schema = tool.function.name, tool.function.parameters
     if schema is None:
         return None
     param = f"tools[{index}].function.parameters"
@@ -109,6 +147,8 @@ def _checked_parameters(index: int, name: str, schema: dict[str, Any] | None) ->
         raise APIError(400, f"Invalid schema for function '{name}': schema must be a JSON Schema of "
                             f"'type: \"object\"', got 'type: {json.dumps(schema.get('type'))}'.", param=param,
                        code="invalid_function_parameters")
+    if tool.function.strict:
+        check_strict(schema, f"function '{name}'", param, "invalid_function_parameters")
     return schema
 
 

@@ -142,6 +142,21 @@ CHAT_ONLY: dict[str, dict[str, Any]] = {
                  "content-int": [{"role": "user", "content": 7}],
                  "content-object": [{"role": "user", "content": {"text": "x"}}],
                  "image-part": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 "audio-part": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+                     "data": "UklGRg==", "format": "wav"}}]}],
+                 "file-part": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "file-1"}}]}],
+                 "refusal-part-in-user": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}],
+                 "image-part-bad-detail": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                     "url": "x", "detail": "extreme"}}]}],
+                 "function-role": [{"role": "user", "content": "x"}, {"role": "function", "name": "f", "content": "1"}],
+                 "assistant-function-call": [{"role": "user", "content": "x"}, {"role": "assistant", "function_call": {
+                     "name": "f", "arguments": "{}"}}],
+                 "assistant-audio": [{"role": "user", "content": "x"}, {"role": "assistant", "audio": {"id": "audio_1"}}],
+                 "assistant-audio-int": [{"role": "user", "content": "x"}, {"role": "assistant", "audio": 7}],
+                 "custom-tool-call": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+                     {"id": "call_1", "type": "custom", "custom": {"name": "f", "input": "x"}}]}],
+                 "breakpoint-bad-mode": [{"role": "user", "content": [{"type": "text", "text": "x",
+                                                                        "prompt_cache_breakpoint": {"mode": "auto"}}]}],
                  "part-without-text": [{"role": "user", "content": [{"type": "text"}]}],
                  "part-text-int": [{"role": "user", "content": [{"type": "text", "text": 7}]}],
                  "part-unknown-field": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}],
@@ -181,6 +196,10 @@ CHAT_ONLY: dict[str, dict[str, Any]] = {
                         "unsupported-schema": {"type": "json_schema", "json_schema": {"name": "x",
                                                                                       "schema": {"not": {}}}},
                         "schema-a-list": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}},
+                        "strict-open-object": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                            "schema": {"type": "object", "additionalProperties": True}}},
+                        "strict-nested-open": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                            "schema": {"type": "array", "items": {"additionalProperties": {}}}}},
                         "unknown-field": {"type": "json_object", "extra": 1},
                         "json-schema-unknown-field": {"type": "json_schema", "json_schema": {"name": "x",
                                                                                              "schema": {}, "y": 1}},
@@ -190,6 +209,13 @@ CHAT_ONLY: dict[str, dict[str, Any]] = {
                         "deep-schema": {"type": "json_schema", "json_schema": {"name": "x", "schema": _deep_schema(200)}},
                         "deep-list": DEEP_LIST},
     "tools": {**wrong_types("list"), "list-of-int": [7], "empty-tool": [{}], "no-function": [{"type": "function"}],
+              "custom-tool": [{"type": "custom", "custom": {"name": "f"}}],
+              "custom-tool-bad-syntax": [{"type": "custom", "custom": {"name": "f", "format": {
+                  "type": "grammar", "grammar": {"definition": "start: x", "syntax": "peg"}}}}],
+              "strict-open-object": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+                  "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}}}],
+              "strict-open-nested": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+                  "type": "object", "properties": {"a": {"type": "object", "unevaluatedProperties": True}}}}}],
               "type-wrong": [{"type": "x", "function": {"name": "f"}}],
               "bad-name": [{"type": "function", "function": {"name": "bad name"}}],
               "65-char-name": [{"type": "function", "function": {"name": "f" * 65}}],
@@ -205,11 +231,42 @@ CHAT_ONLY: dict[str, dict[str, Any]] = {
               "surrogate-description": [{"type": "function", "function": {"name": "f", "description": SURROGATE}}],
               "deep-parameters": [{"type": "function", "function": {"name": "f", "parameters": _deep_schema(200)}}],
               "deep-list": DEEP_LIST},
+    "store": BOOL,
+    "metadata": {**wrong_types("object"), "int-value": {"a": 1}, "17-pairs": {f"k{i}": "v" for i in range(17)},
+                 "65-char-key": {"k" * 65: "v"}, "513-char-value": {"k": "v" * 513}, "surrogate-value": {"k": SURROGATE}},
+    "service_tier": {**STRING, "unknown-tier": "platinum"},
+    "reasoning_effort": {**STRING, "unknown-effort": "extreme"},
+    "chat_template_kwargs": {**wrong_types("object"), "reserved-key": {"tools": []},
+                             "reserved-messages": {"messages": []}},
+    "safety_identifier": {**STRING, "129-chars": "s" * 129},
+    "prompt_cache_key": STRING,
+    "prompt_cache_retention": {**STRING, "unknown-retention": "forever"},
+    "prompt_cache_options": {**wrong_types("object"), "bad-mode": {"mode": "sometimes"}, "bad-ttl": {"ttl": "1y"},
+                             "unknown-field": {"mode": "implicit", "x": 1}},
+    "verbosity": {**STRING, "unknown-verbosity": "chatty"},
+    "modalities": {**wrong_types("list"), "audio": ["text", "audio"], "image": ["image"], "list-of-int": [1]},
+    "audio": {**wrong_types("object"), "given": {"format": "wav", "voice": "alloy"}, "bad-format": {
+        "format": "midi", "voice": "alloy"}, "no-voice": {"format": "wav"}},
+    "web_search_options": {**wrong_types("object"), "given": {}, "with-size": {"search_context_size": "low"},
+                           "bad-size": {"search_context_size": "huge"}},
+    "prediction": {**wrong_types("object"), "no-content": {"type": "content"}, "bad-type": {"type": "x", "content": "a"},
+                   "content-int": {"type": "content", "content": 7}},
+    "moderation": {**wrong_types("object"), "given": {"model": "omni-moderation-latest"}},
+    "functions": {**wrong_types("list"), "given": [{"name": "f", "parameters": {"type": "object"}}], "empty": [],
+                  "no-name": [{"parameters": {}}]},
+    "function_call": {**wrong_types("str", "object"), "auto": "auto", "named": {"name": "f"},
+                      "unknown-string": "sometimes"},
     "tool_choice": {**wrong_types("str", "object"), "unknown-string": "sometimes", "empty-object": {},
                     "no-function": {"type": "function"}, "required-without-tools": "required",
                     "named-without-tools": {"type": "function", "function": {"name": "get_weather"}},
                     "surrogate": {"type": "function", "function": {"name": SURROGATE}},
-                    "unknown-field": {"type": "function", "function": {"name": "get_weather"}, "x": 1}},
+                    "unknown-field": {"type": "function", "function": {"name": "get_weather"}, "x": 1},
+                    "custom": {"type": "custom", "custom": {"name": "get_weather"}},
+                    "allowed-tools-empty": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+                    "allowed-tools-bad-mode": {"type": "allowed_tools", "allowed_tools": {
+                        "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}},
+                    "allowed-tools-without-tools": {"type": "allowed_tools", "allowed_tools": {
+                        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}},
 }
 
 COMPLETION_ONLY: dict[str, dict[str, Any]] = {
@@ -234,6 +291,13 @@ NESTED_UNKNOWN = {
     "root-empty-key": (COMPLETIONS, completion_base(**{"": 1})),
     "stream-options": (CHAT, chat_base(stream=True, stream_options={"include_usage": True, "x": 1})),
     "stream-options-completion": (COMPLETIONS, completion_base(stream=True, stream_options={"y": True})),
+    "stream-options-obfuscation-string": (CHAT, chat_base(stream=True, stream_options={"include_obfuscation": "no"})),
+    "stream-options-obfuscation-completion": (COMPLETIONS, completion_base(stream=True,
+                                                                           stream_options={"include_obfuscation": 0})),
+    "prediction-part-unknown-field": (CHAT, chat_base(prediction={"type": "content", "content": [
+        {"type": "text", "text": "x", "y": 1}]})),
+    "allowed-tools-unknown-field": (CHAT, chat_base(tools=[TOOL], tool_choice={"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}], "x": 1}})),
     "tool-choice-function": (CHAT, chat_base(tools=[TOOL], tool_choice={"type": "function",
                                                                          "function": {"name": "get_weather", "z": 1}})),
     "tool-call-function": (CHAT, chat_base(messages=[{"role": "assistant", "tool_calls": [
