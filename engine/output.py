@@ -5,7 +5,8 @@ bytes, each token giving the characters it completes), and each logprob entry ca
 token's piece and bytes, so the entries' pieces add up to the text (up to a stop string).
 Stop strings are matched on text, so they are found across token boundaries: text that could
 still be the start of a stop string is held back until it cannot, and a matched stop string
-(and anything after it) is never emitted.
+(and anything after it) is never emitted, unless the request keeps it
+(``SamplingParams.include_stop_str_in_output``): then the text ends with it.
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ def _held_back_len(text: str, stops: tuple[str, ...]) -> int:
     return longest
 
 
+def _stop_end(text: str, stops: tuple[str, ...], keep: bool) -> int | None:
+    """Where ``text`` ends at its first stop string (None: none in it): before the stop string,
+    or after it when ``keep`` (vLLM's ``include_stop_str_in_output``, SGLang's ``no_stop_trim``).
+    Of stop strings found at the same place, the first listed wins."""
+    hits = [(i, n) for i, n in ((text.find(s), len(s)) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    at, length = min(hits, key=lambda hit: hit[0])
+    return at + length if keep else at
+
+
 def advance(state: OutputState, request: Request, token_id: int, logprob: TokenLogprob | None,
             eos_token_ids: frozenset[int], context_length: int, grammar_end: FinishReason | None = None) -> Delta:
     """Account for one new token of ``request``; decide whether it ends the request.
@@ -115,9 +127,9 @@ def advance(state: OutputState, request: Request, token_id: int, logprob: TokenL
                                               top_text=top_text, eos=is_eos))
     state.pending_text += piece
     if state.stop:
-        hit = min((i for i in (state.pending_text.find(s) for s in state.stop) if i >= 0), default=-1)
-        if hit >= 0:
-            state.pending_text = state.pending_text[:hit]
+        end = _stop_end(state.pending_text, state.stop, params.include_stop_str_in_output)
+        if end is not None:
+            state.pending_text = state.pending_text[:end]
             finish = FinishReason.STOP
     keep = 0 if finish is not None else _held_back_len(state.pending_text, state.stop)
     emit_text = state.pending_text[: len(state.pending_text) - keep]

@@ -27,6 +27,7 @@ from server.messages import router as messages_router
 from server.responses_api import router as responses_router
 from server.routes import router
 from server.security import SecurityMiddleware
+from server.tokenize import router as tokenize_router
 
 PREPARE_THREADS = 4  # prompts rendered and tokenized at once, beside the engine thread
 
@@ -61,6 +62,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None) -> Fast
     app.include_router(router)
     app.include_router(messages_router)
     app.include_router(responses_router)
+    app.include_router(tokenize_router)
     install_openapi(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     if config.allowed_origins:

@@ -8,7 +8,7 @@ In this order:
    an ``Origin`` other than the server's own and not in ``--allowed-origins`` is refused: a web
    page elsewhere cannot make the browser POST to the server (a form POST needs no preflight).
    Clients that are not browsers send no ``Origin`` and are not concerned.
-3. With an API key, ``/v1/*``, ``/docs``, ``/redoc`` and ``/openapi.json`` need
+3. With an API key, ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/docs``, ``/redoc`` and ``/openapi.json`` need
    ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header); CORS preflights
    from allowed origins pass (browsers never send credentials with them), and Starlette's CORS
    middleware behind this one answers them.
@@ -29,7 +29,7 @@ from server.errors import error_body
 
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 _SAFE_METHODS = ("GET", "HEAD")
-_KEYED_PREFIXES = ("/v1", "/docs", "/redoc", "/openapi.json")
+_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
 
 
