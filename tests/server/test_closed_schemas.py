@@ -47,7 +47,7 @@ TRIP_TOOL = {"type": "function", "function": {"name": "Trip", "description": Tri
 ASK = [{"role": "user", "content": "Use the tool to check the weather in Berlin."}]
 ROME = [{"role": "user", "content": "Plan a trip to Rome, as JSON."}]
 # enough for every call a `required` turn may make, so the turn always ends by itself
-ROOM = MAX_FORCED_CALLS * 40
+ROOM = MAX_FORCED_CALLS * 60
 
 
 def test_the_schemas_say_nothing_of_additional_properties() -> None:
