@@ -114,7 +114,7 @@ def cli_runner(client: str, proxy_base: str, home: Path, args: argparse.Namespac
     workdir = home / "work"
     workdir.mkdir(parents=True)
     if client == "claude":
-        env = claude_env(home, proxy_base, MODEL_ID, args.max_tokens)
+        env = claude_env(home, proxy_base, MODEL_ID, args.cli_max_tokens)
     else:
         write_codex_config(home / ".codex", proxy_base, MODEL_ID, LONG_CONTEXT)
         env = codex_env(home)
@@ -152,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default=",".join(CLIENTS), help="comma-separated: " + ", ".join(CLIENTS))
     parser.add_argument("--turns", type=int, default=3, choices=(1, 2, 3))
-    parser.add_argument("--max-tokens", type=int, default=32, help="answer cap of every turn (the CLIs: where "
-                                                                   "they let it be set)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="answer cap of the SDK loops' turns")
+    parser.add_argument("--cli-max-tokens", type=int, default=256,
+                        help="Claude Code's answer cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS: it fails a turn that reaches "
+                             "it, so the model must stop on its own first; Codex sets none)")
     parser.add_argument("--cli-timeout", type=float, default=900, help="seconds a CLI turn may take")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent-loop-cpu")
     args = parser.parse_args(argv)
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python3 bench/agent_clis.py" + ("" if argv is None and len(sys.argv) == 1 else
                                                " " + " ".join(sys.argv[1:] if argv is None else argv))
     meta = {"command": command, "model": MODEL_ID, "context_length": LONG_CONTEXT, "max_tokens": args.max_tokens,
+            "cli_max_tokens": args.cli_max_tokens,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d")}
     write_report(args.out, meta, results)

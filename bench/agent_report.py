@@ -69,7 +69,8 @@ def markdown(meta: dict[str, Any], results: dict[str, Any]) -> str:
              f"Command: `{meta['command']}`", "",
              f"Model: `{meta['model']}` (the bundled 29M weights with a {meta['context_length']:,}-token context; "
              "its answers past 4k tokens are noise, the protocol is what is measured), CPU "
-             f"({meta['machine']}), answers capped at {meta['max_tokens']} tokens where the client lets it be set. "
+             f"({meta['machine']}). The SDK loops' answers are capped at {meta['max_tokens']} tokens, Claude Code's at "
+             f"{meta['cli_max_tokens']} (CLAUDE_CODE_MAX_OUTPUT_TOKENS), Codex sends no cap. "
              "One fresh server per client.", "",
              "## Prompt tokens cached per turn, side by side", "",
              f"Cached / prompt tokens of each turn, from `/metrics` (`kvarn_prompt_cached_tokens_total` over "
