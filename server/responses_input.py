@@ -122,7 +122,7 @@ def _assistant(content: str | None, reasoning: list[str]) -> dict[str, Any]:
 
 def functions(body: ResponsesRequest) -> list[FunctionTool]:
     """Every function the request offers: its function tools and those of its namespaces."""
-    return [member for tool in body.tools or ()
+    return [member for tool in body.tools or () if isinstance(tool, (FunctionTool, NamespaceTool))
             for member in (tool.tools if isinstance(tool, NamespaceTool) else [tool])]
 
 

@@ -23,9 +23,10 @@ from server.protocol import MAX_FUNCTION_NAME_CHARS, MAX_TOP_LOGPROBS
 from server.text_check import invalid_text_path
 
 Status = Literal["in_progress", "completed", "incomplete"]
-BUILTIN_TOOLS = ("file_search", "computer", "computer_use_preview", "computer_use", "web_search",
-                 "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "mcp",
-                 "code_interpreter", "image_generation", "local_shell", "shell", "custom", "tool_search", "apply_patch", "programmatic_tool_calling")
+# a declared web search is accepted and not offered to the model (Codex CLI declares one by default);
+# other hosted tools are refused by name, and so is a tool_choice that forces any of them
+WEB_SEARCH_TOOLS = ("web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11")
+BUILTIN_TOOLS = ("file_search", "computer", "computer_use_preview", "computer_use", "mcp", "code_interpreter", "image_generation", "local_shell", "shell", "custom", "tool_search", "apply_patch", "programmatic_tool_calling")
 BUILTIN_ITEMS = ("item_reference", "file_search_call", "computer_call", "computer_call_output", "web_search_call",
                  "tool_search_call", "tool_search_output", "additional_tools", "image_generation_call",
                  "code_interpreter_call", "local_shell_call", "local_shell_call_output", "shell_call",
@@ -88,7 +89,7 @@ class UnsupportedTool(_Refused):
 
 
 class UnsupportedChoice(_Refused):
-    type: Literal[BUILTIN_TOOLS]  # type: ignore[valid-type]
+    type: Literal[BUILTIN_TOOLS + WEB_SEARCH_TOOLS]  # type: ignore[valid-type]
     what: ClassVar[str] = "tool_choice"
     why: ClassVar[str] = "this server runs no built-in tools; choose 'none', 'auto', 'required', a function or allowed_tools."
 
@@ -215,7 +216,16 @@ class NamespaceTool(_Strict):
     tools: Annotated[list[FunctionTool], Field(min_length=1)]
 
 
-Tool = Annotated[FunctionTool | NamespaceTool | UnsupportedTool, Field(discriminator="type")]
+class WebSearchTool(BaseModel):
+    """A hosted web search the client offers: this server runs none, so the model is not shown
+    it and never calls it (as a model may always choose not to call a tool); its options are
+    accepted as sent. Forcing it (``tool_choice``) is refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal[WEB_SEARCH_TOOLS]  # type: ignore[valid-type]
+
+
+Tool = Annotated[FunctionTool | NamespaceTool | WebSearchTool | UnsupportedTool, Field(discriminator="type")]
 
 
 class FunctionChoice(_Strict):

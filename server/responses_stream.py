@@ -205,6 +205,8 @@ def response_skeleton(body: Any, response_id: str, model: str) -> dict[str, Any]
 def _tool(tool: Any) -> dict[str, Any]:
     if tool.type == "namespace":
         return {**_dump(tool), "tools": [_tool(t) for t in tool.tools]}
+    if tool.type != "function":  # a declared web search, echoed as sent
+        return _dump(tool)
     return {**_dump(tool), "parameters": tool.parameters, "strict": tool.strict}
 
 

@@ -207,6 +207,17 @@ def test_a_namespace_offers_its_functions(sdk: openai.OpenAI) -> None:
                                                                               ("function_call_output", "weather")]
 
 
+def test_a_declared_web_search_is_not_offered_to_the_model(sdk: openai.OpenAI) -> None:
+    """Codex CLI declares a hosted web search by default: the request is served with the model
+    shown only the function tools (the same prompt, token for token, as without the search)."""
+    plain = create(sdk, input="What is the weather in Paris?", tools=TOOLS, max_output_tokens=8)
+    declared = create(sdk, input="What is the weather in Paris?", max_output_tokens=8,
+                      tools=[*TOOLS, {"type": "web_search", "search_context_size": "low"}])
+    assert declared.status in ("completed", "incomplete")
+    assert declared.usage.input_tokens == plain.usage.input_tokens
+    assert [t.type for t in declared.tools] == ["function", "function", "web_search"]
+
+
 def test_a_streamed_call_arrives_as_argument_events(sdk: openai.OpenAI) -> None:
     with sdk.responses.stream(model=MODEL_ID, input="What is the weather in Paris?", tools=TOOLS, temperature=0,
                               tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80) as stream:

@@ -78,8 +78,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         "defer-loading": [{**FUNCTION, "defer_loading": True}],
         "programmatic-caller": [{**FUNCTION, "allowed_callers": ["programmatic"]}],
         "surrogate-description": [{**FUNCTION, "description": SURROGATE}],
-        **{f"builtin-{kind}": [{"type": kind}] for kind in ("web_search", "web_search_preview", "file_search",
-                                                             "computer_use_preview", "code_interpreter",
+        **{f"builtin-{kind}": [{"type": kind}] for kind in ("file_search", "computer_use_preview", "code_interpreter",
                                                              "image_generation", "mcp", "local_shell", "custom",
                                                              "shell", "apply_patch")},
         "namespace-empty": [{"type": "namespace", "name": "n", "tools": []}],
@@ -90,7 +89,7 @@ FIELDS: dict[str, dict[str, Any]] = {
         **wrong_types("str", "object"), "unknown-string": "sometimes", "empty-object": {},
         "function-without-name": {"type": "function"}, "chat-shaped": {"type": "function", "function": {"name": "f"}},
         "required-without-tools": "required", "named-without-tools": {"type": "function", "name": "get_weather"},
-        "builtin": {"type": "web_search_preview"}, "mcp": {"type": "mcp", "server_label": "x"},
+        "builtin": {"type": "web_search_preview"}, "web-search": {"type": "web_search"}, "mcp": {"type": "mcp", "server_label": "x"},
         "allowed-without-tools": {"type": "allowed_tools", "mode": "auto", "tools": []},
         "allowed-bad-mode": {"type": "allowed_tools", "mode": "none", "tools": [{"type": "function", "name": "f"}]},
         "surrogate": {"type": "function", "name": SURROGATE}},
@@ -211,7 +210,9 @@ def test_malformed_input_items_queries(http: httpx.Client, query: str) -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     (base(input=user([{"type": "input_image", "image_url": "x"}])), "input_image"),
-    (base(tools=[{"type": "web_search"}]), "web_search"), (base(background=True), "background"),
+    (base(tools=[{"type": "code_interpreter", "container": {"type": "auto"}}]), "code_interpreter"),
+    (base(tools=[FUNCTION, {"type": "web_search"}], tool_choice={"type": "web_search"}), "web_search"),
+    (base(background=True), "background"),
     (base(conversation="conv_1"), "conversation"), (base(prompt={"id": "pmpt_1"}), "prompt"),
     (base(previous_response_id="resp_" + "2" * 48), "previous_response_id")])
 def test_refusals_name_what_is_refused(http: httpx.Client, body: dict[str, Any], param: str) -> None:
