@@ -91,7 +91,7 @@ def _describe_validation(exc: RequestValidationError, deepest: bool = False) -> 
     param = ".".join(loc) or None
     if kind == "json_invalid":
         return "Invalid JSON body: the request body could not be parsed as JSON.", None
-    if kind in ("missing", "model_type", "model_attributes_type", "dict_type") and not loc:  # no body, null, not an object
+    if kind in ("missing", "model_type", "model_attributes_type", "dict_type") and not loc:  # no body or no object
         return "The request body must be a JSON object.", None
     if kind == "missing":
         return f"Missing required parameter: '{param}'.", param

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel
 from pydantic.json_schema import models_json_schema
 
 from server.anthropic_errors import is_messages_path
@@ -171,8 +171,37 @@ class TokenCount(BaseModel):
     input_tokens: int
 
 
+class Tokenized(BaseModel):
+    """``POST /tokenize`` (vLLM's): the ids the chat or completions route would run."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Detokenized(BaseModel):
+    prompt: str
+
+
+class RenderedRequest(_Open):
+    """vLLM's ``GenerateRequest``: a request rendered to token ids and sampling parameters, not run."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling_params: dict[str, Any]
+    model: str | None
+    stream: bool
+    cache_salt: str | None
+
+
+class RenderedRequests(RootModel[list[RenderedRequest]]):
+    """``POST /v1/completions/render``: one rendered request per prompt."""
+
+
 _MODELS = (ErrorResponse, ModelList, ModelCard, ChatCompletion, Completion, Health, CacheReset, ResponseObject,
-           ResponseDeleted, ResponseItemList, AnthropicErrorResponse, AnthropicMessage, TokenCount)
+           ResponseDeleted, ResponseItemList, AnthropicErrorResponse, AnthropicMessage, TokenCount, Tokenized,
+           Detokenized, RenderedRequest, RenderedRequests)
 _WHY = {400: "Invalid request (validation errors included)", 401: "Missing or wrong API key (with --api-key)",
         403: "Host or Origin not allowed", 404: "No such model, or no such stored response", 413: "Request body over --max-request-bytes",
         415: "The body is not JSON (Content-Type)", 429: "The waiting queue is full (Retry-After)",
@@ -217,6 +246,10 @@ _ROUTES: dict[str, dict[str, tuple[str | None, dict[str, Any], tuple[int, ...]]]
     "/v1/messages": {"post": ("AnthropicMessage", {"text/event-stream": {"schema": _MESSAGE_STREAM}},
                               _KEYED + _ANY + _ANTHROPIC_GENERATE)},
     "/v1/messages/count_tokens": {"post": ("TokenCount", {}, _KEYED + _ANY + (400, 404, 415, 529))},
+    "/tokenize": {"post": ("Tokenized", {}, _KEYED + _ANY + (400, 404, 415, 503))},
+    "/detokenize": {"post": ("Detokenized", {}, _KEYED + _ANY + (400, 404, 415, 503))},
+    "/v1/chat/completions/render": {"post": ("RenderedRequest", {}, _KEYED + _ANY + (400, 404, 415, 503))},
+    "/v1/completions/render": {"post": ("RenderedRequests", {}, _KEYED + _ANY + (400, 404, 415, 503))},
 }
 
 

@@ -217,3 +217,13 @@ def test_no_stop_trim_must_be_a_boolean(http: httpx.Client) -> None:
     response = http.post("/v1/completions", json={"model": MODEL_ID, "prompt": "a", "no_stop_trim": "yes"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "no_stop_trim"
+
+
+def test_the_routes_are_in_the_openapi_document(http: httpx.Client) -> None:
+    paths = http.get("/openapi.json").json()["paths"]
+    for path, model in (("/tokenize", "Tokenized"), ("/detokenize", "Detokenized"),
+                        ("/v1/chat/completions/render", "RenderedRequest"),
+                        ("/v1/completions/render", "RenderedRequests")):
+        responses = paths[path]["post"]["responses"]
+        assert responses["200"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert {"400", "401", "404", "503"} <= set(responses) and "422" not in responses
