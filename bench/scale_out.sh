@@ -49,17 +49,19 @@ for url in "${urls[@]}"; do
 done
 echo "replicas ready: ${urls[*]} (cache $CACHE_DIR, logs $LOG_DIR)"
 
+# the router's own metrics on loopback beside it; /health checked every second, so a draining
+# replica (503) leaves the pool at once
+common=(--host 127.0.0.1 --port "$ROUTER_PORT" --policy "$POLICY" --prometheus-host 127.0.0.1
+        --prometheus-port $((ROUTER_PORT + 1000)) --health-check-interval-secs 1 --health-failure-threshold 1)
 case "$ROUTER" in
   smg)
-    smg launch --host 127.0.0.1 --port "$ROUTER_PORT" --policy "$POLICY" --worker-urls "${urls[@]}" \
-      >"$LOG_DIR/router.log" 2>&1 & ;;
+    smg launch "${common[@]}" --worker-urls "${urls[@]}" >"$LOG_DIR/router.log" 2>&1 & ;;
   vllm-router)
     extra=()
     if [[ $POLICY == kv_aware ]]; then
       extra=("${sources[@]}" --kv-event-block-size 16 --kv-event-model "$TOKENIZER")
     fi
-    vllm-router --host 127.0.0.1 --port "$ROUTER_PORT" --policy "$POLICY" --worker-urls "${urls[@]}" \
-      "${extra[@]}" >"$LOG_DIR/router.log" 2>&1 & ;;
+    vllm-router "${common[@]}" --worker-urls "${urls[@]}" "${extra[@]}" >"$LOG_DIR/router.log" 2>&1 & ;;
   *) echo "ROUTER must be smg or vllm-router" >&2; exit 2 ;;
 esac
 pids+=($!)
