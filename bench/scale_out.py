@@ -351,9 +351,10 @@ def markdown(data: dict[str, Any]) -> str:
     routing = data.get("kv_aware_affinity")
     if routing:
         lines += ["", f"kv_aware routing check (vllm-router fed by kvarn's KV events, one request at a time): "
-                      f"{routing['tenants']} tenants' first turns sent straight to replicas {routing['first_turn_replicas']}; "
-                      f"{routing['routed_to_holder_with_hits']} of {routing['follow_ups']} later requests with the "
-                      f"same prefix, sent to the router, went to the replica holding it and were served from its cache."]
+                      f"{routing['tenants']} tenants' first turns sent straight to replicas "
+                      f"{routing['first_turn_replicas']}; {routing['routed_to_holder_with_hits']} of "
+                      f"{routing['follow_ups']} later requests with the same prefix, sent to the router, went to the "
+                      f"replica holding it and were served from its cache."]
     return "\n".join(lines) + "\n"
 
 
