@@ -35,6 +35,7 @@ from kvarn.batch import BatchRows, ChunkRows, make_batch_cache
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore
 from kvarn.slots import SlotRow
+from kvarn.step import forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +263,8 @@ class ModelRunner:
             cache = rows[0].cache
         else:
             cache = [ChunkRows([row.cache[l] for row in rows], lengths) for l in range(len(rows[0].cache))]
-        hidden = self.forward.hidden(tokens, cache)
+        with forward_context(cache):
+            hidden = self.forward.hidden(tokens, cache)
         self.prefill_forwards += 1
         self.prefill_chunks += len(chunks)
         logits = self.forward.logits_at(hidden, [n - 1 for n in lengths]) \
@@ -302,7 +304,8 @@ class ModelRunner:
                 row = self.rows[request_id]
                 tokens = after.pending[request_id].token.reshape(1, 1).astype(mx.int32) if after is not None \
                     else mx.array(requests[request_id].output_ids[-1:], dtype=mx.int32)[None]
-                out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
+                with forward_context(row.cache):
+                    out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
             mx.async_eval([out[i] for i in ids])
             return
         self.batch.sync(ids, self.rows)
@@ -310,7 +313,8 @@ class ModelRunner:
             tokens = mx.stack([after.pending[i].token for i in self.batch.ids]).astype(mx.int32)[:, None]
         else:
             tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
-        logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
+        with forward_context(self.batch.layers):
+            logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
         mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
             out[request_id] = logits[b]

@@ -24,6 +24,7 @@ from kvarn.paged import PagedLayer
 from kvarn.paged_batch import PagedBatch, paged_attention, reads_codes_directly
 from kvarn.slot_attention import attends_per_row, fused_decode, fused_decode_attention, per_row_attention
 from kvarn.slots import SlotBatch
+from kvarn.step import StepContext, step_of
 from kvarn.quantize import rotate
 from kvarn.record import RecordArrays
 
@@ -120,12 +121,13 @@ def chunk_attention(queries: mx.array, cache: KVarNKVCache, scale: float) -> mx.
     sink_v = cache.sink_v[..., : cache.sink_len, :].astype(dtype)
     view = cache.records.view()
     rec_k, rec_v = dequantize_records(cache, view, dtype) if view is not None else (None, None)
-    return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, cache.chunk, cache.layout.tile_size, scale)
+    return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, cache.chunk, cache.layout.tile_size, scale,
+                                step=step_of(cache))
 
 
 def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, rec_k: mx.array | None,
                          rec_v: mx.array | None, chunk: Chunk, G: int, scale: float, *, rec_first: int = 0,
-                         window: int | None = None) -> mx.array:
+                         window: int | None = None, step: StepContext | None = None) -> mx.array:
     """A prompt chunk (the first one too), each token seeing what decode would have shown it.
 
     Decode at position p attends to the sink, the records of every tile committed once p is in
@@ -140,7 +142,8 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
     attends), and each token's records are cut to its own window.
 
     One fused SDPA for the whole chunk, over every key any of its tokens may see, under an additive
-    mask (``chunk_view_mask``, built once per chunk and shared by all layers):
+    mask (``chunk_view_mask``, built once per chunk and shared by all layers through the forward's
+    ``step``):
 
         keys   [ sink (s) | record 0 .. record n-1 (n*G, dequantized) | window (float16) ]
         query p, tile t = p // G, sees
@@ -173,24 +176,18 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
         window_start = chunk.window_start
     keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k, axis=2)
     values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
-    mask = chunk_view_mask(start, end, sink_k.shape[2], num_records, window_start, G, q.dtype, rec_first, window)
+    shape = (start, end, sink_k.shape[2], num_records, window_start, G, q.dtype, rec_first, window)
+    mask = (step or StepContext()).get(("chunk_mask", *shape), lambda: chunk_view_mask(*shape))
     out = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
                                                mask=mask)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
-
-
-_mask_memo: list = [None, None]  # [key, mask]: the latest chunk's mask (every layer of it asks again)
 
 
 def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, window_start: int, G: int,
                     dtype: mx.Dtype, rec_first: int = 0, window: int | None = None) -> mx.array:
     """The additive mask [L, sink_len + num_records * G + (end - window_start)] of
     ``chunk_attention_over`` for queries at positions ``start .. end - 1`` (0 where a key is seen,
-    -inf where not) over records ``rec_first .. rec_first + num_records - 1``, memoized for the
-    latest chunk: every layer of a chunk shares one array."""
-    key = (start, end, sink_len, num_records, window_start, G, dtype, rec_first, window)
-    if _mask_memo[0] == key:
-        return _mask_memo[1]
+    -inf where not) over records ``rec_first .. rec_first + num_records - 1``."""
     i32 = mx.int32
     p = mx.arange(start, end, dtype=i32)[:, None]
     seen = [mx.arange(sink_len, dtype=i32)[None] <= p]
@@ -204,9 +201,7 @@ def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, windo
         w = mx.arange(window_start, end, dtype=i32)[None]
         seen.append((w // G == p // G) & (w <= p) & (p % G != G - 1))
     ok = seen[0] if len(seen) == 1 else mx.concatenate(seen, axis=1)
-    mask = mx.where(ok, mx.array(0, dtype), mx.array(-float("inf"), dtype))
-    _mask_memo[0], _mask_memo[1] = key, mask
-    return mask
+    return mx.where(ok, mx.array(0, dtype), mx.array(-float("inf"), dtype))
 
 
 def evicted_records_at(n: mx.array, window: int, G: int) -> mx.array:

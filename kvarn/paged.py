@@ -186,6 +186,7 @@ class PagedLayer(KVarNRowProtocol):
         self.tail_len = 0
         self.num_tiles = 0
         self.chunk: Chunk | None = None
+        self.index: Any = None  # a lone decode token's step index (``decode_update``), for its attention
 
     @property
     def layout(self) -> KVLayout:
@@ -196,9 +197,10 @@ class PagedLayer(KVarNRowProtocol):
         if keys.shape[2] == 1 and self.offset > 0:
             from kvarn.paged_batch import decode_update
 
-            decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
+            self.index = decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
             self.chunk = None
             return self, self
+        self.index = None
         self.row.evict()
         self.write_chunk(keys, values)
         return self, self

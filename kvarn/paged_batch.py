@@ -20,6 +20,7 @@ from kvarn.batch import BatchRows
 from kvarn.paged import PagedLayer, PagedRow, _rounded
 from kvarn.pool import PAD, dequantize_blocks, quantize_window_tails
 from kvarn.quantize import rotate
+from kvarn.step import step_of
 from metal import attention_path
 from metal import paged_decode_metal
 from metal.paged_decode import RowLengths, is_supported, make_plan, paged_decode_attention
@@ -118,14 +119,15 @@ def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
 
 
 def step_index(layers: Sequence[PagedLayer]) -> StepIndex:
-    """The step index for rows at these views' offsets: built by the first layer of a step, reused
-    by the others (they ask with the same rows at the same offsets; ``KVarNPool.step_memo``)."""
-    pool = layers[0].row.pool
-    key = tuple((v.row.serial, v.offset, v.tail_len, v.num_tiles) for v in layers)
-    if pool.step_memo is None or pool.step_memo[0] != key:
+    """The step index for rows at these views' offsets: built by the first layer of a forward
+    and read by the others from the forward's ``StepContext`` (they ask with the same rows at the
+    same offsets, before their own writes). A forward holds one decode batch, or lone rows each
+    decoding one token (a one-token prompt chunk): the first row's serial tells them apart."""
+    def make() -> StepIndex:
         place_windows([v.row for v in layers])
-        pool.step_memo = (key, _step_index(layers))
-    return pool.step_memo[1]
+        return _step_index(layers)
+
+    return step_of(layers[0]).get(("paged_index", layers[0].row.serial), make)
 
 
 def place_windows(rows: Sequence[PagedRow]) -> None:
@@ -354,13 +356,7 @@ def paged_attention(queries: mx.array, cache: PagedLayer | PagedBatch, scale: fl
     if chunk is not None and (queries.shape[2] > 1 or chunk.start == 0):  # a prompt chunk (the first too)
         sink_k, sink_v, rec_k, rec_v = cache.history(attention_dtype(queries))
         return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, cache.layout.tile_size, scale,
-                                    rec_first=cache.row.first, window=cache.row.max_kv_size)
-    return decode_attention(queries, [cache], step_index_after(cache), scale)
-
-
-def step_index_after(view: PagedLayer) -> StepIndex:
-    """The index a lone row's decode token was written with (the pool's latest step)."""
-    memo = view.row.pool.step_memo
-    if memo is None or memo[0][0][0] != view.row.serial:
+                                    rec_first=cache.row.first, window=cache.row.max_kv_size, step=step_of(cache))
+    if cache.index is None:
         raise RuntimeError("paged decode attention before update_and_fetch")
-    return memo[1]
+    return decode_attention(queries, [cache], cache.index, scale)

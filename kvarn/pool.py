@@ -236,7 +236,6 @@ class KVarNPool:
         self.layers = [LayerArrays() for _ in range(num_layers)]
         self.shapes: list[tuple[int, int] | None] = [None] * num_layers  # (H, D) per layer
         self.rows_made = 0  # serial numbers for rows (ids of freed Python objects get reused)
-        self.step_memo: tuple | None = None  # (rows' serials and offsets, the decode step's index)
 
     # --- ids ---
     def allocate(self, kind: str, n: int) -> list[int]:
@@ -308,7 +307,6 @@ class KVarNPool:
                 fresh += [a.sink_k, a.sink_v]
         if fresh:
             mx.eval(fresh)  # the copies exist now: the old buffers go with their last reference
-            self.step_memo = None
         return before - self.nbytes()
 
     def write_records(self, l: int, blocks: Sequence[int] | mx.array, fields: dict[str, mx.array]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kvarn.slots import SlotBatch
+from kvarn.step import step_of
 from metal import ragged_decode_path
 from metal.ragged_decode import is_supported as ragged_is_supported
 from metal.ragged_decode import make_plan as make_ragged_plan
@@ -31,20 +32,16 @@ def fused_decode(cache: SlotBatch, queries: mx.array, sinks: mx.array | None) ->
             and queries.shape[1] % buf.shape[1] == 0 and ragged_decode_path() == "cuda-fused")
 
 
-_PLAN: list = [None, None]  # (slots, lengths, H), plan: the step's plan, shared by its layers
-
-
 def fused_decode_attention(queries: mx.array, cache: SlotBatch, scale: float) -> mx.array:
     """Every row of the batch over tokens [0, offset) of its own slot, read in place from the
     store's buffers by the fused kernel (after ``update_and_fetch`` wrote this step's token)."""
     keys, values = cache.store._buffers
     slots = tuple(row.slot for row in cache.rows)
     lengths = tuple(row.offset for row in cache.rows)
-    key = (slots, lengths, keys.shape[1])
-    if _PLAN[0] != key:
-        _PLAN[0], _PLAN[1] = key, make_ragged_plan(slots, lengths, keys.shape[1])
+    H = keys.shape[1]
+    plan = step_of(cache).get(("ragged_plan", H), lambda: make_ragged_plan(slots, lengths, H))  # one a forward
     return ragged_decode_attention(queries=queries, keys=keys, values=values, slots=slots, lengths=lengths,
-                                   scale=scale, plan=_PLAN[1])
+                                   scale=scale, plan=plan)
 
 
 # On a GPU without the fused ragged kernel, MLX's fused decode attention has no kernel for an array

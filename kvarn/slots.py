@@ -55,6 +55,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
 from kvarn.layout import KVLayout
+from kvarn.step import StepContext, step_of
 
 Leg = mx.array | tuple[mx.array, ...]  # fp16: one array; affine: (codes, scales, biases)
 
@@ -168,15 +169,17 @@ class SlotStore:
         for buf, part in zip(self._buffers, parts, strict=True):
             buf[slot: slot + 1, :, start: start + part.shape[2]] = part
 
-    def _scatter(self, lo: int, positions: list[int], parts: list[mx.array]) -> None:
+    def _scatter(self, lo: int, positions: list[int], parts: list[mx.array], step: StepContext) -> None:
         """Token b of ``parts`` [B, H, 1, W] at position ``positions[b]`` of slot ``lo + b``:
         one scatter per buffer over its flat [S*H*T_cap, W] view, at row indices made once a
-        step for every layer (``_flat_rows``). MLX's three-index form ``buf[slots, :, at]`` built
+        step for every layer (``_flat_rows``, kept in the forward's ``step``: every layer writes
+        the same rows at the same positions). MLX's three-index form ``buf[slots, :, at]`` built
         an arange, broadcasts and casts of the indices per buffer and layer: 12 more graph nodes
         a layer, each ~5-10 us of host time on a GPU."""
         self._allocate(parts)
         shape = self._buffers[0].shape
-        rows = _flat_rows(lo, positions, shape[1], shape[2])
+        H, T = shape[1], shape[2]
+        rows = step.get(("slot_flat_rows", lo, H, T), lambda: _flat_rows(lo, positions, H, T))
         B, H = len(positions), shape[1]
         for i, (buf, part) in enumerate(zip(self._buffers, parts, strict=True)):
             flat = buf.reshape(-1, buf.shape[3])
@@ -434,9 +437,10 @@ class SlotBatch(_BaseCache):
 
     @property
     def offset(self) -> mx.array:
-        """The rows' offsets as one int32 array, made once a step: every layer's batch (and both
-        of a layer's RoPE calls) asks before its write, with the same offsets."""
-        return _offsets(tuple(row.offset for row in self.rows))
+        """The rows' offsets at the step's start as one int32 array, made once a forward (its
+        ``StepContext``): every layer's batch (and both of a layer's RoPE calls, and the mask)
+        asks before its own write, with the same offsets."""
+        return step_of(self).get("slot_offsets", lambda: mx.array([row.offset for row in self.rows], dtype=mx.int32))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Leg, Leg]:
         """keys/values [B, H, 1, D]: row b's token at its own offset; returns the batch's slots
@@ -447,7 +451,7 @@ class SlotBatch(_BaseCache):
             row._check_room(1)
         lo = self.store._place(self.rows)
         positions = [row.offset for row in self.rows]
-        self.store._scatter(lo, positions, self.store._encode(keys, values))
+        self.store._scatter(lo, positions, self.store._encode(keys, values), step_of(self))
         for row in self.rows:
             row.offset += 1
         return self.store._legs(self.store._read(lo, lo + len(self.rows), max(positions) + 1))
@@ -472,31 +476,11 @@ class SlotBatch(_BaseCache):
         return sum(row.nbytes for row in self.rows)
 
 
-_OFFSETS: tuple[tuple[int, ...], mx.array] | None = None  # the last step's offsets array
-
-
-def _offsets(offsets: tuple[int, ...]) -> mx.array:
-    global _OFFSETS
-    if _OFFSETS is None or _OFFSETS[0] != offsets:
-        _OFFSETS = (offsets, mx.array(offsets, dtype=mx.int32))
-    return _OFFSETS[1]
-
-
-_FLAT_ROWS: tuple[tuple, mx.array] | None = None  # the last step's indices (every layer asks alike)
-
-
 def _flat_rows(lo: int, positions: Sequence[int], H: int, T: int) -> mx.array:
     """Rows of a [S*H*T, W] view where token ``positions[b]`` of slot ``lo + b`` lives, head by
-    head: ``((lo + b) * H + h) * T + positions[b]`` in (b, h) order. One int32 array a step: the
-    layers' stores share it (same slots, heads and T_cap)."""
-    global _FLAT_ROWS
-    key = (lo, tuple(positions), H, T)
-    if _FLAT_ROWS is not None and _FLAT_ROWS[0] == key:
-        return _FLAT_ROWS[1]
+    head: ``((lo + b) * H + h) * T + positions[b]`` in (b, h) order."""
     base = [((lo + b) * H) * T + p for b, p in enumerate(positions)]
-    rows = mx.array([r + h * T for r in base for h in range(H)], dtype=mx.int32)
-    _FLAT_ROWS = (key, rows)
-    return rows
+    return mx.array([r + h * T for r in base for h in range(H)], dtype=mx.int32)
 
 
 def make_stores(model: nn.Module, layout: KVLayout) -> list[SlotStore | None]:

@@ -118,7 +118,9 @@ def test_chunk_batch_rejects_what_does_not_fit():
 
 def test_chunk_batch_writes_shared_slots_in_place():
     """Four rows' chunks into one slot buffer of 16 MiB: no write copies the buffer (each row is
-    read back after every row wrote, so no view of a buffer is alive across a write)."""
+    read back after every row wrote, so no view of a buffer is alive across a write). A copy
+    costs a whole buffer; the rows read back cost a fraction of one (on MLX's CPU under an
+    eighth, on its CUDA backend, which makes the sliced views contiguous, a quarter)."""
     rng = np.random.default_rng(5)
     store = SlotStore(slots=4)
     rows = [store.new_row(8192) for _ in range(4)]
@@ -134,7 +136,7 @@ def test_chunk_batch_writes_shared_slots_in_place():
     chunk = ChunkRows(rows, lengths)
     chunk.update_and_fetch(k, v)
     mx.eval([a.sum() for pair in chunk.fetched for a in pair])
-    assert mx.get_peak_memory() - start < buffer / 8
+    assert mx.get_peak_memory() - start < buffer / 2
     assert [row.offset for row in rows] == [140, 3128, 57, 790]
 
 
@@ -174,7 +176,10 @@ def test_a_batched_prompt_chunk_gives_each_row_its_logits_alone(arch, arm):
         results.append((np.array(logits), np.array(step)))
         assert [row[0].offset for row in rows] == [f + n + 1 for f, n in zip(first, chunks)]
     (want, want_step), (got, got_step) = results
-    atol = 1e-3 if arm == "fp16" else 0.05  # quantized rows amplify float noise at rounding boundaries
+    # quantized rows amplify float noise at rounding boundaries; MLX's CUDA backend runs float32
+    # matmuls as TF32 (a 10-bit mantissa), so there the differently summed products differ ~10x more
+    fp16_atol = 1e-3 if mx.default_device() == mx.cpu else 1e-2
+    atol = fp16_atol if arm == "fp16" else 0.05
     np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     np.testing.assert_allclose(got_step, want_step, rtol=0, atol=atol)
     assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))
