@@ -5,7 +5,10 @@ Dynamo) subscribes to each replica's events and keeps an index of which replica 
 blocks. The wire types mirror vLLM's ``vllm/distributed/kv_events.py`` (msgspec structs,
 ``array_like``, ``omit_defaults``, ``tag``: a batch is the msgpack array ``[ts, events, rank]``, an
 event ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-lora_name]``, ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``).
+lora_name]``, ``["BlockRemoved", block_hashes, medium]`` or ``["AllBlocksCleared"]``). Later vLLM
+releases, and vllm-router, write each event as a map tagged by ``"type"`` instead
+(``{"type": "BlockStored", "block_hashes": ...}``): ``KVEventsConfig.layout`` picks (``"array"``,
+the default, or ``"map"``).
 
 Routers hash at their own block size B (vLLM's default, and vllm-router's, is 16), and kvarn caches
 blocks of G = 128 tokens. ``CacheEvents`` therefore publishes each cached block as G / B router-size
@@ -48,6 +51,7 @@ class KVEventsConfig:
     replay_endpoint: str | None = None
     topic: str = ""
     block_size: int = 16
+    layout: str = "array"  # each event a msgpack array, or a tagged map ("map": vllm-router)
     buffer_steps: int = 10_000
     hwm: int = 100_000
 
@@ -89,6 +93,39 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+# The same events as msgpack maps tagged ``{"type": "BlockStored", ...}`` inside the same array
+# batch: the layout later vLLM releases publish and vllm-router reads (``layout="map"``).
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A change to what a replica caches, as a tagged map."""
+
+
+class MapBlockStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class MapKVEventBatch(EventBatch):
+    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+
+
+_AS_MAP = {BlockStored: MapBlockStored, BlockRemoved: MapBlockRemoved, AllBlocksCleared: MapAllBlocksCleared}
+LAYOUTS = ("array", "map")
+
+
 def sub_hash(key: bytes, index: int) -> int:
     """The hash of router-size sub-block ``index`` of the cached block with chained key ``key``."""
     digest = hashlib.blake2b(key + index.to_bytes(4, "little"), digest_size=8).digest()
@@ -126,5 +163,9 @@ class CacheEvents:
         self.emit(AllBlocksCleared())
 
 
-def make_batch(events: list[Any], rank: int = 0) -> KVEventBatch:
+def make_batch(events: list[Any], rank: int = 0, layout: str = "array") -> KVEventBatch | MapKVEventBatch:
+    """A batch of ``events`` in ``layout``: ``"array"`` (every event a msgpack array, as
+    vLLM's published subscriber example decodes) or ``"map"`` (every event a tagged map)."""
+    if layout == "map":
+        return MapKVEventBatch(time.time(), [_AS_MAP[type(e)](*msgspec.structs.astuple(e)) for e in events], rank)
     return KVEventBatch(time.time(), events, rank)

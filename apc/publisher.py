@@ -105,7 +105,7 @@ class ZmqPublisher:
 
     def _publish(self, events: list[Any]) -> None:
         seq = next(self._seq)
-        payload = self._encoder.encode(make_batch(events))
+        payload = self._encoder.encode(make_batch(events, layout=self.config.layout))
         try:
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         except zmq.ZMQError:

@@ -38,6 +38,7 @@ for ((i = 0; i < N; i++)); do
   python -m server.cli serve ${MODEL:+"$MODEL"} --host 127.0.0.1 --port "$port" \
     --apc-disk-dir "$CACHE_DIR" \
     --kv-events-endpoint "tcp://127.0.0.1:$pub" --kv-events-replay-endpoint "tcp://127.0.0.1:$replay" \
+    --kv-events-layout map \
     "${EXTRA[@]}" >"$LOG_DIR/replica-$i.log" 2>&1 &
   pids+=($!)
   urls+=("http://127.0.0.1:$port")

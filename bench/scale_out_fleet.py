@@ -89,7 +89,8 @@ class Fleet:
         cmd = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", str(c.base_port + i),
                "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
                "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{pub + 1}",
-               "--kv-events-block-size", str(EVENTS_BLOCK_SIZE), "--log-level", "warning"]
+               "--kv-events-block-size", str(EVENTS_BLOCK_SIZE), "--kv-events-layout", "map",  # vllm-router's
+               "--log-level", "warning"]
         if c.apc_memory_bytes:
             cmd += ["--apc-memory-bytes", str(c.apc_memory_bytes)]
         if c.disk_dir is not None:

@@ -75,6 +75,10 @@ def _add_scale_out_args(serve: argparse.ArgumentParser) -> None:
                      help="the router's block size: each cached block is published as blocks of N tokens with "
                           "hashes of their own; N divides the cache's block size (default: %(default)s, "
                           "vLLM's and vllm-router's)")
+    out.add_argument("--kv-events-layout", choices=("array", "map"), default="array",
+                     help="each event as a msgpack array (vLLM's published subscriber example) or as a map "
+                          "tagged by 'type' (later vLLM releases; vllm-router's kv_aware reads only this) "
+                          "(default: %(default)s)")
     out.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, stop taking requests (503, /health 'draining') and wait this long for "
                           "those in flight before ending them with an error (default: %(default)s)")
@@ -378,7 +382,8 @@ def _kv_events_config(args: argparse.Namespace):  # -> engine.KVEventsConfig | N
         raise SystemExit(f"kvarn serve: --kv-events-block-size must divide the cache's block size {args.kv_tile}")
     from engine import KVEventsConfig
 
-    return KVEventsConfig(endpoint, replay, args.kv_events_topic, args.kv_events_block_size)
+    return KVEventsConfig(endpoint, replay, args.kv_events_topic, args.kv_events_block_size,
+                          layout=args.kv_events_layout)
 
 
 def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig

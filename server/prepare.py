@@ -35,6 +35,10 @@ def check_unsupported(body: _Sampling) -> None:
                  getattr(body, "safety_identifier", None), getattr(body, "metadata", None))
     if isinstance(body, ChatCompletionRequest):
         _check_chat_capabilities(body)
+    for field, what in _FIXED_SWITCHES:
+        if getattr(body, field) != body.model_fields[field].default:
+            raise APIError(400, f"'{field}: {str(getattr(body, field)).lower()}' is not supported: {what}",
+                           param=field, code="unsupported_value")
     if body.n > MAX_CHOICES:
         raise APIError(400, f"n must be at most {MAX_CHOICES}.", param="n", code="invalid_value")
     if isinstance(body, CompletionRequest):
@@ -47,6 +51,17 @@ def check_unsupported(body: _Sampling) -> None:
                                 "with logprobs its log-probabilities, without a completion).", param="max_tokens",
                            code="invalid_value")
 
+
+# vLLM's and SGLang's output switches (vllm-router forwards them) at this server's fixed behaviour
+_FIXED_SWITCHES = (
+    ("skip_special_tokens", "special tokens never reach the output text here."),
+    ("continue_final_message", "a chat always ends with the assistant's turn opened by the template."),
+    ("separate_reasoning", "a thinking model's reasoning is always split out (kvarn serve --no-reasoning-content "
+                           "turns that off for the whole server)."),
+    ("stream_reasoning", "a stream always carries the reasoning as it comes."),
+    ("include_reasoning", "a thinking model's reasoning is always returned (in reasoning_content)."),
+    ("return_hidden_states", "hidden states are not returned by this server."),
+)
 
 _LEGACY_FUNCTIONS = ("The deprecated 'functions' and 'function_call' are not supported; send the functions as "
                      "'tools' ([{\"type\": \"function\", \"function\": {...}}]) and choose with 'tool_choice'.")

@@ -320,6 +320,15 @@ class _Sampling(_Strict):
     user: str | None = None
     ignore_eos: bool = False
     no_stop_trim: bool = False  # SGLang's (vllm-router sends it): a matched stop string stays at the text's end
+    # vLLM's and SGLang's output switches, as vllm-router adds them to every request it forwards:
+    # accepted at the behaviour this server has (the values below); another value is a 400
+    # (server/prepare.py: check_unsupported)
+    skip_special_tokens: bool = True
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
+    return_hidden_states: bool = False
     # vLLM's extra field: the prefix cache serves this request only blocks cached under the same
     # salt (tenants that must not share cached prefixes each send their own); "" is no salt
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None

@@ -16,7 +16,9 @@ def kvarn(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command,flags", [
     ("serve", ["--host", "--port", "--api-key", "--dtype", "--no-openblas", "--served-model-name", "--allowed-host",
-               "--kv-budget-bytes", "--max-queue", "--max-num-seqs"]),
+               "--kv-budget-bytes", "--max-queue", "--max-num-seqs", "--no-batch-prefill", "--keep-billing-header",
+               "--responses-store-bytes", "--responses-store-dir", "--kv-events-endpoint", "--kv-events-layout",
+               "--drain-timeout"]),
     ("run", ["--prompt", "--max-tokens", "--temperature", "--raw", "--system", "--seed"]),
     ("bench", ["--prefill-tokens", "--depths", "--decode-tokens", "--json", "--markdown", "--repeats",
                "--concurrency", "--concurrency-prompt-tokens"]),
@@ -27,6 +29,18 @@ def test_help_lists_every_flag(command, flags, capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert [f for f in flags if f not in text] == []
+
+
+def test_kv_events_layout_reaches_the_publisher_config():
+    from server.cli import _kv_events_config
+
+    args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
+                                      "--kv-events-layout", "map"])
+    assert _kv_events_config(args).layout == "map"
+    args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557"])
+    assert _kv_events_config(args).layout == "array"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-events-layout", "json"])
 
 
 def test_run_streams_greedy_answer():

@@ -41,6 +41,26 @@ def test_every_field_clients_send_is_accepted_and_changes_nothing(sdk: openai.Op
     assert reply.choices[0].finish_reason == plain.choices[0].finish_reason == "length"
 
 
+ROUTER_SWITCHES = {"skip_special_tokens": True, "continue_final_message": False, "separate_reasoning": True,
+                   "stream_reasoning": True, "include_reasoning": True, "return_hidden_states": False,
+                   "no_stop_trim": False}
+
+
+def test_the_switches_vllm_router_forwards_are_taken_at_their_defaults(sdk: openai.OpenAI, http: httpx.Client) -> None:
+    """vllm-router re-sends every chat request with vLLM's and SGLang's output switches: at the
+    behaviour this server has they change nothing; another value is a 400 naming the switch."""
+    plain = greedy(sdk)
+    reply = greedy(sdk, extra_body=ROUTER_SWITCHES)
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+    body = {"model": MODEL_ID, "messages": ASK, "max_tokens": 2}
+    for field, value in ROUTER_SWITCHES.items():
+        if field == "no_stop_trim":  # both values mean something (tests/server/test_tokenize.py)
+            continue
+        response = http.post(CHAT, json={**body, field: not value})
+        assert response.status_code == 400, (field, response.text)
+        assert response.json()["error"]["param"] == field
+
+
 def test_a_stream_takes_include_obfuscation_and_carries_no_obfuscation_field(sdk: openai.OpenAI,
                                                                              http: httpx.Client) -> None:
     plain = greedy(sdk)
