@@ -78,7 +78,8 @@ async def prepare_chat(body: ChatCompletionRequest, request: Request) -> Job:
     prompt_ids = await off_loop(request, chat_prompt_ids, body, client, tools.tools)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(body, len(prompt_ids), info, default_max_tokens=None, logprobs=body.logprobs,
-                             top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens)
+                             top_logprobs=body.top_logprobs or 0, max_tokens=max_tokens,
+                             server_cap=request.app.state.config.default_max_tokens)
     params = await structured_params(body, client, params)
     if tools.forced:  # required / named: the grammar makes the calls
         params = await force_calls(client, info, tools, params)

@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-reasoning-content", action="store_true",
                        help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
                             "splitting it out into 'reasoning_content' (models without think tokens: no effect)")
+    serve.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                       help="the most tokens a chat, Messages or Responses request that sets no max_tokens "
+                            "generates (as mlx_lm.server's --max-tokens; for agent CLIs that send no cap; "
+                            "default: up to the model's context)")
     serve.add_argument("--keep-billing-header", action="store_true",
                        help="keep the 'x-anthropic-billing-header:' line Claude Code puts at the top of its system "
                             "prompt on /v1/messages (by default it is dropped: it changes every conversation, so "
@@ -406,7 +410,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
                             kv_events=_kv_events_config(args)),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
-        keep_billing_header=args.keep_billing_header,
+        keep_billing_header=args.keep_billing_header, default_max_tokens=args.default_max_tokens,
         allowed_origins=tuple(o.strip() for arg in args.allowed_origins for o in arg.split(",") if o.strip()),
         max_request_bytes=args.max_request_bytes, responses_store_dir=args.responses_store_dir,
         **({} if args.responses_store_bytes is None else {"responses_store_bytes": args.responses_store_bytes}))

@@ -39,12 +39,16 @@ class ServerConfig:
     # keep Claude Code's per-conversation "x-anthropic-billing-header:" line in a Messages API
     # system prompt (dropped by default: it changes every conversation and defeats the prefix cache)
     keep_billing_header: bool = False
+    # the most tokens a chat-shaped request that sets no cap generates (None: up to the context)
+    default_max_tokens: int | None = None
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.api_key:
             raise ValueError(
                 f"refusing to listen on non-loopback host {self.host!r} without an API key: "
                 f"pass --api-key or set {API_KEY_ENV}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError("--default-max-tokens must be at least 1")
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be at least 1")
         if self.responses_store_bytes < 0:

@@ -197,11 +197,13 @@ def _prompt_ids(prompt: str | list[int], info: ModelInfo, client: EngineClient) 
 
 def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, default_max_tokens: int | None,
                     logprobs: bool, top_logprobs: int, max_tokens: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """``max_tokens`` None means "up to the context": OpenAI's chat default. Requests whose prompt
-    plus ``max_tokens`` exceed the context are refused, as OpenAI and vLLM do. ``prompt_logprobs``
-    (completions with echo and logprobs): score the prompt's tokens too, with that many
-    alternatives."""
+                    prompt_logprobs: int | None = None, server_cap: int | None = None) -> SamplingParams:
+    """``max_tokens`` None means "up to the context": OpenAI's chat default, or at most
+    ``server_cap`` tokens (``kvarn serve --default-max-tokens``, as mlx_lm.server's
+    ``--max-tokens`` and llama.cpp's ``--n-predict``: for clients that send no cap). Requests
+    whose prompt plus ``max_tokens`` exceed the context are refused, as OpenAI and vLLM do.
+    ``prompt_logprobs`` (completions with echo and logprobs): score the prompt's tokens too, with
+    that many alternatives."""
     room = info.context_length - prompt_len
     if room <= 0 or (max_tokens is not None and max_tokens > room):
         asked = f"{prompt_len} in the prompt" + (f", {max_tokens} in the completion" if max_tokens else "")
@@ -216,7 +218,7 @@ def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, defaul
             raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {info.vocab_size}).",
                            param="logit_bias", code="invalid_value")
         bias.append((token_id, float(value)))
-    limit = max_tokens if max_tokens is not None else min(default_max_tokens or room, room)
+    limit = max_tokens if max_tokens is not None else min(default_max_tokens or room, server_cap or room, room)
     return SamplingParams(
         max_tokens=limit,
         temperature=1.0 if body.temperature is None else body.temperature,

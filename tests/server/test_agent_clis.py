@@ -35,7 +35,8 @@ PROMPT = "Say hello in one short sentence."
 @pytest.fixture(scope="module")
 def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = make_long_context_model(tmp_path_factory.mktemp("model") / MODEL_ID)
-    with served(tmp_path_factory, "kvarn-long", str(model_dir)) as srv:
+    # Codex sends no cap: the server's default caps its answers (the bundled model may not stop)
+    with served(tmp_path_factory, "kvarn-long", str(model_dir), "--default-max-tokens", str(MAX_TOKENS)) as srv:
         yield srv
 
 

@@ -213,3 +213,24 @@ def test_a_reserved_template_argument_is_a_400(think: httpx.Client, key: str) ->
 def test_who_asked_is_in_the_debug_log_line(think: httpx.Client, think_server: Server) -> None:
     think_chat(think, user="user-77", safety_identifier="sid-77", metadata={"trace": "t-77"})
     assert "user=user-77 safety_identifier=sid-77 metadata={'trace': 't-77'}" in think_server.log()
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with served(tmp_path_factory, "kvarn-capped", "--default-max-tokens", "5") as srv:
+        yield srv
+
+
+def test_default_max_tokens_caps_requests_that_set_none(capped: Server) -> None:
+    """``--default-max-tokens``: a chat-shaped request without a cap (agent CLIs send none) stops
+    there; one that sets its own cap keeps it, on each API."""
+    with client_of(capped) as http:
+        ask = {"model": MODEL_ID, "messages": ASK, "temperature": 0, "ignore_eos": True}
+        free = post_json(http, CHAT, ask)
+        assert free["usage"]["completion_tokens"] == 5 and free["choices"][0]["finish_reason"] == "length"
+        own = post_json(http, CHAT, {**ask, "max_tokens": 9})
+        assert own["usage"]["completion_tokens"] == 9
+        response = post_json(http, "/v1/responses", {"model": MODEL_ID, "input": "How do I list files?",
+                                                      "temperature": 0, "store": False})
+        assert response["usage"]["output_tokens"] <= 5
+        assert response["status"] == "completed" or response["incomplete_details"] == {"reason": "max_output_tokens"}
