@@ -94,35 +94,25 @@ class KVEventBatch(EventBatch):
 
 
 # The same events as msgpack maps tagged ``{"type": "BlockStored", ...}`` inside the same array
-# batch: the layout later vLLM releases publish and vllm-router reads (``layout="map"``).
+# batch: the layout later vLLM releases publish and vllm-router reads (``layout="map"``). Each is
+# made from its array twin, field for field.
 class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     """A change to what a replica caches, as a tagged map."""
 
 
-class MapBlockStored(MapEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
+def _map_twin(event: type[KVCacheEvent]) -> type[MapEvent]:
+    fields = [(f.name, f.type) for f in msgspec.structs.fields(event)]
+    return msgspec.defstruct(f"Map{event.__name__}", fields, bases=(MapEvent,), tag=event.__name__,
+                             module=__name__)
 
 
-class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
-    pass
+_AS_MAP = {event: _map_twin(event) for event in (BlockStored, BlockRemoved, AllBlocksCleared)}
 
 
 class MapKVEventBatch(EventBatch):
-    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+    events: list[Any]  # the map twins (encoded only; readers type them as their own)
 
 
-_AS_MAP = {BlockStored: MapBlockStored, BlockRemoved: MapBlockRemoved, AllBlocksCleared: MapAllBlocksCleared}
 LAYOUTS = ("array", "map")
 
 

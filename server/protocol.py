@@ -19,6 +19,22 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k as vLLM bounds the
 MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id (and int() of 5,000 digits raises)
 
 
+def checked_body(model: type[BaseModel], data: Any) -> Any:
+    """A request body before its fields are validated: every string of it, keys included, must
+    be Unicode text (JSON's ``\\ud800`` escapes give lone surrogates, which no tokenizer,
+    template or response encoder takes), and an optional field of ``model`` sent as ``null`` is
+    not given (OpenAI's fields are nullable: ``"n": null`` is n = 1); required ones stay refused."""
+    path = invalid_text_path(data)
+    if path is not None:
+        raise PydanticCustomError("invalid_unicode", "Invalid value for '{param}': a string holds a lone UTF-16 "
+                                  "surrogate (a \\ud800-\\udfff escape outside a pair), which is not text.",
+                                  {"param": path})
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None or k not in model.model_fields
+                or model.model_fields[k].is_required()}
+    return data
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -341,19 +357,7 @@ class _Sampling(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _check_body(cls, data: Any) -> Any:
-        """Every string of the body, keys included, must be Unicode text: JSON's ``\\ud800``
-        escapes give lone surrogates, which no tokenizer, template or response encoder takes.
-        An optional field sent as ``null`` is not given (OpenAI's fields are nullable: ``"n": null``
-        is n = 1); required ones stay refused."""
-        path = invalid_text_path(data)
-        if path is not None:
-            raise PydanticCustomError("invalid_unicode", "Invalid value for '{param}': a string holds a lone UTF-16 "
-                                      "surrogate (a \\ud800-\\udfff escape outside a pair), which is not text.",
-                                      {"param": path})
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
-                    or cls.model_fields[k].is_required()}
-        return data
+        return checked_body(cls, data)
 
     @field_validator("stop")
     @classmethod

@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from pydantic_core import PydanticCustomError
 
 from server.errors import APIError
-from server.protocol import MAX_FUNCTION_NAME_CHARS, MAX_TOP_LOGPROBS
-from server.text_check import invalid_text_path
+from server.protocol import MAX_FUNCTION_NAME_CHARS, MAX_TOP_LOGPROBS, checked_body
 
 Status = Literal["in_progress", "completed", "incomplete"]
 # a declared web search is accepted and not offered to the model (Codex CLI declares one by default);
@@ -351,15 +350,7 @@ class ResponsesRequest(_Strict):
     @classmethod
     def _check_body(cls, data: Any) -> Any:
         """Text must be Unicode (no lone surrogates); a top-level ``null`` is "not given"."""
-        path = invalid_text_path(data)
-        if path is not None:
-            raise PydanticCustomError("invalid_unicode", "Invalid value for '{param}': a string holds a lone UTF-16 "
-                                      "surrogate (a \\ud800-\\udfff escape outside a pair), which is not text.",
-                                      {"param": path})
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields
-                    or cls.model_fields[k].is_required()}
-        return data
+        return checked_body(cls, data)
 
     @model_validator(mode="after")
     def _check_fields(self) -> ResponsesRequest:
