@@ -134,7 +134,7 @@ def cli_runner(client: str, proxy_base: str, home: Path, args: argparse.Namespac
 def run_client(client: str, model_dir: Path, args: argparse.Namespace, scratch: Path) -> list[TurnResult]:
     """One client's turns against a fresh ``kvarn serve`` behind a recording proxy."""
     log = scratch / f"{client}-server.log"
-    with served([str(model_dir), "--log-level", "info", "--default-max-tokens", str(args.cli_max_tokens)], log) \
+    with served([str(model_dir), "--log-level", "info", "--default-max-tokens", str(args.server_max_tokens)], log) \
             as server, \
             recording_proxy(server.base, free_port()) as proxy:
         proxy_base = f"http://127.0.0.1:{proxy.port}"
@@ -156,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="answer cap of the SDK loops' turns")
     parser.add_argument("--cli-max-tokens", type=int, default=256,
                         help="Claude Code's answer cap (CLAUDE_CODE_MAX_OUTPUT_TOKENS: it fails a turn that reaches "
-                             "it, so the model must stop on its own first); Codex sets none, so the server caps "
-                             "requests without one there too (kvarn serve --default-max-tokens)")
+                             "it, so the model must stop on its own first)")
+    parser.add_argument("--server-max-tokens", type=int, default=2048,
+                        help="the server's cap of a request that sets none (kvarn serve --default-max-tokens): "
+                             "Codex sets none and fails a turn that ends incomplete, so this leaves the model room "
+                             "to stop on its own")
     parser.add_argument("--cli-timeout", type=float, default=900, help="seconds a CLI turn may take")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "agent-loop-cpu")
     args = parser.parse_args(argv)

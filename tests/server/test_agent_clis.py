@@ -28,6 +28,7 @@ MODEL_ID = "fixture-chat-29m-q8-64k"
 # Claude Code fails a turn whose answer reaches its cap (after a few "resume" requests), so the
 # cap leaves the model room to end its answer on its own; Codex sends no cap at all.
 MAX_TOKENS = 256
+SERVER_MAX_TOKENS = 2048  # for requests that set no cap (Codex's)
 TURN_TIMEOUT_S = 900
 PROMPT = "Say hello in one short sentence."
 
@@ -35,8 +36,9 @@ PROMPT = "Say hello in one short sentence."
 @pytest.fixture(scope="module")
 def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model_dir = make_long_context_model(tmp_path_factory.mktemp("model") / MODEL_ID)
-    # Codex sends no cap: the server's default caps its answers (the bundled model may not stop)
-    with served(tmp_path_factory, "kvarn-long", str(model_dir), "--default-max-tokens", str(MAX_TOKENS)) as srv:
+    # Codex sends no cap and fails a turn that ends incomplete: the server's default cap leaves the
+    # bundled model room to stop on its own, short of running on to the end of its context
+    with served(tmp_path_factory, "kvarn-long", str(model_dir), "--default-max-tokens", str(SERVER_MAX_TOKENS)) as srv:
         yield srv
 
 
