@@ -15,74 +15,8 @@ from pathlib import Path
 
 from server.blas import maybe_reexec_with_openblas, openblas_active
 from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
-
-_DTYPES = ("auto", "native", "float32", "float16", "bfloat16")
-_BITS = (2, 3, 4, 5, 6, 8)
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="local mlx-lm model folder (bf16, fp16 or mlx-quantized); default: the bundled "
-                        "fixture-chat-29m-q8")
-    p.add_argument("--dtype", choices=_DTYPES, default="auto",
-                   help="compute dtype; 'auto' dequantizes to float32 on MLX's CPU backend (fastest there, "
-                        "measured) and keeps the stored weights on a GPU; 'native' always keeps them (default: "
-                        "%(default)s)")
-    p.add_argument("--no-openblas", action="store_true",
-                   help="do not re-execute with Debian's OpenBLAS preloaded (also: KVARN_NO_OPENBLAS=1)")
-    kv = p.add_argument_group("KV cache layout")
-    kv.add_argument("--kv-scheme", choices=("kvarn", "affine", "fp16"), default="kvarn",
-                    help="kvarn, affine (mlx-lm QuantizedKVCache) or fp16 (unquantized) (default: %(default)s)")
-    kv.add_argument("--kv-bits", type=int, default=None, choices=_BITS,
-                    help="bits for keys and values (kvarn default: 4-bit keys, 2-bit values; affine: 4)")
-    kv.add_argument("--kv-key-bits", type=int, default=None, choices=_BITS,
-                    help="key bits, overriding --kv-bits (default: --kv-bits)")
-    kv.add_argument("--kv-value-bits", type=int, default=None, choices=_BITS,
-                    help="value bits, overriding --kv-bits (default: --kv-bits)")
-    kv.add_argument("--kv-tile", type=int, default=128, choices=(64, 128),
-                    help="KVarN tile size G (default: %(default)s)")
-    kv.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
-                    help="affine group size (default: %(default)s)")
-    kv.add_argument("--kv-layout", default=None, metavar="auto|SPEC",
-                    help="the layout in one word instead of the flags above: kvarn:kXvY[:gG], affine:B[:gG], fp16, "
-                         "or auto (serve only): the advice `kvarn advise` stored for this model, else measured "
-                         "once at start-up (about 2 minutes for the bundled model on 2 CPU cores) and stored "
-                         "(default: none: the flags above)")
-    kv.add_argument("--advise-prompts", type=int, default=2,
-                    help="--kv-layout auto without stored advice: prompts measured at start-up (default: %(default)s)")
-    kv.add_argument("--advise-tokens", type=int, default=384,
-                    help="--kv-layout auto without stored advice: decode positions a prompt (default: %(default)s)")
-    kv.add_argument("--max-kv-size", type=_window, default=None, metavar="N",
-                    help="attention window of every row in tokens, any scheme: KVarN keeps the sink and the "
-                         "newest whole tiles within N (N >= 2 tiles), fp16/affine are rotating caches of N "
-                         "keeping the first 4 tokens, as mlx-lm's max_kv_size; a row's KV bytes stay flat at "
-                         "N tokens however long it generates (default: none: unbounded)")
-
-
-def _add_scale_out_args(serve: argparse.ArgumentParser) -> None:
-    out = serve.add_argument_group(
-        "replicas behind a router (docs/scale-out.md)",
-        "KV events in vLLM's format tell a cache-aware router (vllm-router kv_aware, llm-d, Dynamo) what "
-        "this replica's prefix cache holds; replicas sharing --apc-disk-dir serve each other's blocks.")
-    out.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ",
-                     help="publish the prefix cache's changes on this ZMQ PUB endpoint, bound here, e.g. "
-                          "tcp://*:5557 or tcp://127.0.0.1:5557 (default: off: no socket is opened)")
-    out.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ",
-                     help="a ROUTER endpoint answering a subscriber that missed events with the recent "
-                          "batches from a sequence number on (default: none)")
-    out.add_argument("--kv-events-topic", default="", help="the topic frame of every event message (default: '')")
-    out.add_argument("--kv-events-block-size", type=int, default=16, metavar="N",
-                     help="the router's block size: each cached block is published as blocks of N tokens with "
-                          "hashes of their own; N divides the cache's block size (default: %(default)s, "
-                          "vLLM's and vllm-router's)")
-    out.add_argument("--kv-events-layout", choices=("array", "map"), default="array",
-                     help="each event as a msgpack array (vLLM's published subscriber example) or as a map "
-                          "tagged by 'type' (later vLLM releases; vllm-router's kv_aware reads only this) "
-                          "(default: %(default)s)")
-    out.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                     help="on SIGTERM, stop taking requests (503, /health 'draining') and wait this long for "
-                          "those in flight before ending them with an error (default: %(default)s)")
-
+from server.cli_args import DTYPES, add_model_args, size_arg, window_arg
+from server.cli_scale_out import add_scale_out_args, kv_events_config
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="OpenAI-compatible LLM server on MLX with the "
@@ -92,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                            description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health "
                                        "and /metrics.")
-    _add_model_args(serve)
+    add_model_args(serve)
     serve.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST}); a "
                                                             "non-loopback address requires an API key")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -106,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="browser origins (e.g. http://localhost:3000; comma-separated or repeated; '*' for any) "
                             "allowed to call the API cross-origin: CORS headers and preflights for them, and their "
                             "POSTs pass the Origin check (default: none: a cross-origin POST is refused with 403)")
-    serve.add_argument("--max-request-bytes", type=_size, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+    serve.add_argument("--max-request-bytes", type=size_arg, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                        help="largest request body (suffixes as --kv-budget-bytes); a larger one is refused with "
                             "413 before it is read (default: %(default)s = 16MiB)")
     serve.add_argument("--max-num-seqs", type=int, default=64,
@@ -122,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-batch-prefill", action="store_true",
                        help="run each prompt chunk in its own forward (by default a step's chunks of similar "
                             "lengths run together, right-padded; docs/engine.md)")
-    serve.add_argument("--kv-budget-bytes", type=_size, default=None, metavar="BYTES",
+    serve.add_argument("--kv-budget-bytes", type=size_arg, default=None, metavar="BYTES",
                        help="KV cache budget that admission works within (suffixes K/M/G/KiB/MiB/GiB; default: "
                             "half the machine's memory less the weights, printed at start); a request reserves "
                             "the exact bytes of prompt + max_tokens (blocks shared through the prefix cache "
@@ -144,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "same salt.")
     apc.add_argument("--no-apc", action="store_true",
                      help="turn the prefix cache off: every prompt is computed in full")
-    apc.add_argument("--apc-memory-bytes", type=_size, default=None, metavar="BYTES",
+    apc.add_argument("--apc-memory-bytes", type=size_arg, default=None, metavar="BYTES",
                      help="a cap on what the prefix cache keeps in memory beside running requests (suffixes as "
                           "--kv-budget-bytes); it lives in the KV budget, never added to it (default: no cap: "
                           "whatever running requests leave free)")
@@ -152,10 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also keep cached blocks on disk in DIR (one file per block, owner-only, checked on "
                           "every read): the disk tier survives restarts, so a restarted server serves prefixes "
                           "it cached before (default: memory tier only)")
-    apc.add_argument("--apc-disk-bytes", type=_size, default=None, metavar="BYTES",
+    apc.add_argument("--apc-disk-bytes", type=size_arg, default=None, metavar="BYTES",
                      help="byte cap of the disk tier in --apc-disk-dir, least recently used blocks removed "
                           "beyond it (default: 4GiB)")
-    _add_scale_out_args(serve)
+    add_scale_out_args(serve)
     serve.add_argument("--no-reasoning-content", action="store_true",
                        help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
                             "splitting it out into 'reasoning_content' (models without think tokens: no effect)")
@@ -171,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Responses API store",
         "POST /v1/responses keeps each response and its conversation (unless the request says store: false), "
         "so GET /v1/responses/{id} returns it and previous_response_id continues it.")
-    responses.add_argument("--responses-store-bytes", type=_size, default=None, metavar="BYTES",
+    responses.add_argument("--responses-store-bytes", type=size_arg, default=None, metavar="BYTES",
                            help="byte bound of the stored responses (their JSON text), least recently used "
                                 "dropped beyond it (suffixes as --kv-budget-bytes; default: 64MiB; 0 keeps none)")
     responses.add_argument("--responses-store-dir", default=None, metavar="DIR",
@@ -186,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate once and stream the text to the terminal",
                          description="One-shot generation without a server.")
-    _add_model_args(run)
+    add_model_args(run)
     run.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     run.add_argument("--system", default=None, help="system message (chat mode)")
     run.add_argument("--raw", action="store_true", help="complete the prompt as plain text, no chat template")
@@ -198,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure prefill and decode tokens/s",
                            description="Prefill tok/s and decode tok/s at several depths through the engine; "
                                        "prints markdown, optionally writes JSON and markdown files.")
-    _add_model_args(bench)
+    add_model_args(bench)
     bench.add_argument("--prefill-tokens", type=int, default=512)
     bench.add_argument("--depths", default="0,1024,4096",
                        help="comma-separated decode depths (clamped to the context)")
@@ -216,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "at a time; report KLD (mean, median, p99, max), top-1 and greedy "
                                      "agreement, bytes per token; writes kld.md, kld.json and kld.png.")
     kld.add_argument("model", nargs="?", default=None, help="local mlx-lm model folder (default: bundled)")
-    kld.add_argument("--dtype", choices=_DTYPES, default="auto", help="compute dtype (as for serve)")
+    kld.add_argument("--dtype", choices=DTYPES, default="auto", help="compute dtype (as for serve)")
     kld.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
     kld.add_argument("--arms", default=None,
                      help="comma-separated arms: fp16, kvarn:kXvY[:gG], affine:B[:gG], each with an optional "
@@ -225,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     kld.add_argument("--prompts", type=int, default=8, help="number of shipped held-out prompts (max 10)")
     kld.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each prompt")
     kld.add_argument("--tokens", type=int, default=2048, help="decode positions per prompt")
-    kld.add_argument("--max-kv-size", type=_window, default=None, metavar="N",
+    kld.add_argument("--max-kv-size", type=window_arg, default=None, metavar="N",
                      help="attention window of every arm that names none of its own (an arm's :wN); the "
                           "reference stays unbounded fp16 (default: none)")
     advise = sub.add_parser("advise", help="measure which KV layout to serve this model with",
@@ -238,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--max-kld", type=float, default=1e-2,
                         help="budget: the recommended layout's mean KL divergence from fp16, in nats (default: "
                              "%(default)g)")
-    advise.add_argument("--dtype", choices=_DTYPES, default="float32",
+    advise.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="compute dtype (default: %(default)s, so differences are the layouts' alone)")
     advise.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
     advise.add_argument("--arms", default=None, help="comma-separated candidates as for `kvarn kld` (default: KVarN "
@@ -278,33 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return {"serve": _serve, "run": _run, "bench": _bench, "kld": _kld, "advise": _advise}[args.command](args)
-
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def _size(text: str) -> int:
-    """Bytes from '4000000', '512MiB', '2G' (decimal K/M/G, binary KiB/MiB/GiB)."""
-    import re
-
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match[2].lower().removesuffix("b") if match and match[2].lower() not in ("b",) else ""
-    unit = {"ki": "kib", "mi": "mib", "gi": "gib"}.get(unit, unit)
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 536870912, 512MiB, 2G)")
-    return int(float(match[1]) * _UNITS[unit])
-
-
-def _window(text: str) -> int:
-    """A ``--max-kv-size``: a positive number of tokens (each scheme's own floor is checked with
-    the layout, at start)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {value}")
-    return value
 
 
 def _kv_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after the re-exec)
@@ -372,24 +279,6 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
     return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir, disk_bytes=args.apc_disk_bytes)
 
 
-def _kv_events_config(args: argparse.Namespace):  # -> engine.KVEventsConfig | None
-    endpoint, replay = args.kv_events_endpoint, args.kv_events_replay_endpoint
-    if endpoint is None:
-        if replay is not None:
-            raise SystemExit("kvarn serve: --kv-events-replay-endpoint needs --kv-events-endpoint")
-        return None
-    if args.no_apc:
-        raise SystemExit("kvarn serve: KV events report the prefix cache's contents; drop --no-apc")
-    if args.kv_events_block_size < 1:
-        raise SystemExit("kvarn serve: --kv-events-block-size must be >= 1")
-    if args.kv_tile % args.kv_events_block_size:
-        raise SystemExit(f"kvarn serve: --kv-events-block-size must divide the cache's block size {args.kv_tile}")
-    from engine import KVEventsConfig
-
-    return KVEventsConfig(endpoint, replay, args.kv_events_topic, args.kv_events_block_size,
-                          layout=args.kv_events_layout)
-
-
 def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     from engine import EngineConfig, SchedulerConfig
     from server.config import ServerConfig
@@ -407,7 +296,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
                             scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue,
                             parse_special=args.parse_special_tokens,
                             warm_up={"auto": None, "on": True, "off": False}[args.warm_up],
-                            kv_events=_kv_events_config(args)),
+                            kv_events=kv_events_config(args)),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         keep_billing_header=args.keep_billing_header, default_max_tokens=args.default_max_tokens,

@@ -7,9 +7,8 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from server.text_check import invalid_text_path
+from server.text_check import checked_body
 
 MAX_STOP_STRINGS = 16
 _TOKEN_ID = re.compile(r"-?[0-9]+")
@@ -17,22 +16,6 @@ MAX_TOP_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 256
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # seeds and top_k as vLLM bounds them (a C long)
 MAX_TOKEN_ID_DIGITS = 12  # a logit_bias key longer than this is no token id (and int() of 5,000 digits raises)
-
-
-def checked_body(model: type[BaseModel], data: Any) -> Any:
-    """A request body before its fields are validated: every string of it, keys included, must
-    be Unicode text (JSON's ``\\ud800`` escapes give lone surrogates, which no tokenizer,
-    template or response encoder takes), and an optional field of ``model`` sent as ``null`` is
-    not given (OpenAI's fields are nullable: ``"n": null`` is n = 1); required ones stay refused."""
-    path = invalid_text_path(data)
-    if path is not None:
-        raise PydanticCustomError("invalid_unicode", "Invalid value for '{param}': a string holds a lone UTF-16 "
-                                  "surrogate (a \\ud800-\\udfff escape outside a pair), which is not text.",
-                                  {"param": path})
-    if isinstance(data, dict):
-        return {k: v for k, v in data.items() if v is not None or k not in model.model_fields
-                or model.model_fields[k].is_required()}
-    return data
 
 
 class _Strict(BaseModel):

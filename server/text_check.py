@@ -12,6 +12,9 @@ import json
 import re
 from typing import Any
 
+from pydantic import BaseModel
+from pydantic_core import PydanticCustomError
+
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -38,3 +41,19 @@ def invalid_text_path(data: Any) -> str | None:
         elif isinstance(item, list):
             stack.extend((value, f"{path}.{i}" if path else str(i)) for i, value in enumerate(item))
     return None
+
+
+def checked_body(model: type[BaseModel], data: Any) -> Any:
+    """A request body before its fields are validated: every string of it, keys included, must
+    be Unicode text (JSON's ``\\ud800`` escapes give lone surrogates, which no tokenizer,
+    template or response encoder takes), and an optional field of ``model`` sent as ``null`` is
+    not given (OpenAI's fields are nullable: ``"n": null`` is n = 1); required ones stay refused."""
+    path = invalid_text_path(data)
+    if path is not None:
+        raise PydanticCustomError("invalid_unicode", "Invalid value for '{param}': a string holds a lone UTF-16 "
+                                  "surrogate (a \\ud800-\\udfff escape outside a pair), which is not text.",
+                                  {"param": path})
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None or k not in model.model_fields
+                or model.model_fields[k].is_required()}
+    return data

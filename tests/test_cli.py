@@ -32,7 +32,7 @@ def test_help_lists_every_flag(command, flags, capsys):
 
 
 def test_kv_events_layout_reaches_the_publisher_config():
-    from server.cli import _kv_events_config
+    from server.cli_scale_out import kv_events_config as _kv_events_config
 
     args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
                                       "--kv-events-layout", "map"])
