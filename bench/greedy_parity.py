@@ -9,7 +9,7 @@ greedy, 256 tokens each with EOS ignored. For every layout (``fp16``, ``k4v2`` =
 
 * ``LAYOUT/no-apc/c1``: prefix cache off, the prompts one at a time;
 * ``LAYOUT/no-apc/batch8``: prefix cache off, all prompts added at once (continuous batching:
-  chunked prefills beside decoding rows, then one batched decode);
+  chunked prefills beside decoding rows, then one batched decode; ``batchN`` for ``--prompts N``);
 * ``LAYOUT/apc-cold``: prefix cache on, each prompt's first run (nothing of it cached);
 * ``LAYOUT/apc-hit``: the same prompt again right after, restored from the cache. Its cached
   prompt tokens are recorded and must be > 0 for every prompt longer than 256 tokens, else
@@ -23,15 +23,18 @@ Commands (the process preloads OpenBLAS as the ``kvarn`` command does, ``server/
     python bench/greedy_parity.py --base REV --out bench/results/greedy-parity.json
 
 ``record`` writes ``{meta: {revision, dirty, tree, layouts, prompt_tokens, prompts_sha256,
-cached_tokens, seconds, ...}, arms: {name: [token list per prompt]}}``. ``compare`` says per arm
+cached_tokens, same_as_c1, seconds, wall_seconds, ...}, arms: {name: [token list per prompt]}}``
+(``same_as_c1``: per arm, how many prompts' tokens equal the same layout's ``no-apc/c1`` tokens
+in this revision; a note on batching and restoring, not part of the comparison). ``compare`` says per arm
 whether the tokens are identical and, where not, each differing prompt and its first differing
 position; it exits 1 on any difference (a missing arm or different prompt ids included).
 ``--base REV`` records REV in a temporary ``git worktree`` (a subprocess, ``PYTHONPATH`` and cwd
 the worktree, this script file), then this checkout, compares them and writes one result JSON
 (both revisions' meta, per-arm identical flags, first differences) and a markdown table beside
-it (``OUT.md``); it exits 1 on any difference. Only names ``engine`` exported at ``e5a6a71`` are
-used, so the script runs unchanged against that revision. About 4-5 minutes a revision on 2 CPU
-cores at the defaults.
+it (``OUT.md``); it exits 1 on any difference. Exit 2: an error (a bad file or layout, a failed
+record). Only names ``engine`` exported at ``e5a6a71`` are used (and ``server.blas``), so the
+script runs unchanged against that revision. About 7 minutes a revision on 2 CPU cores at the
+defaults (``--base``: twice that).
 """
 
 from __future__ import annotations
@@ -259,7 +262,7 @@ def record_layout(loaded: Any, layout: str, prompts: list[list[int]], tokens: in
     arms: dict[str, list[tuple[list[int], int]]] = {}
     for apc, name, run in (
         (False, "no-apc/c1", lambda e: [generate(e, [p], tokens, f"c1-{i}")[0] for i, p in enumerate(prompts)]),
-        (False, "no-apc/batch8", lambda e: generate(e, prompts, tokens, "batch")),
+        (False, f"no-apc/batch{len(prompts)}", lambda e: generate(e, prompts, tokens, "batch")),
         (True, "apc", lambda e: [row for i, p in enumerate(prompts)
                                  for row in (generate(e, [p], tokens, f"cold-{i}")[0],
                                              generate(e, [p], tokens, f"hit-{i}")[0])]),
@@ -275,8 +278,11 @@ def record_layout(loaded: Any, layout: str, prompts: list[list[int]], tokens: in
             arms[f"{layout}/{name}"] = rows
         meta["seconds"][f"{layout}/{name}"] = round(time.perf_counter() - start, 2)
         logging.info("%s/%s: %.1f s", layout, name, time.perf_counter() - start)
+    solo = [ids for ids, _ in arms[f"{layout}/no-apc/c1"]]
     for name, rows in arms.items():
         meta["cached_tokens"][name] = [cached for _, cached in rows]
+        # within this revision: prompts whose tokens equal the solo, uncached run's (a note, not a check)
+        meta["same_as_c1"][name] = sum(ids == ref for (ids, _), ref in zip(rows, solo))
     missed = [i for i, (p, (_, cached)) in enumerate(zip(prompts, arms[f"{layout}/apc-hit"]))
               if len(p) > LONG_PROMPT_TOKENS and cached == 0]
     if missed:
@@ -309,7 +315,7 @@ def cmd_record(args: argparse.Namespace) -> int:
         "device": str(mx.default_device()), "mlx": mx.__version__, "openblas": openblas_active(),
         "layouts": layouts, "tokens": args.tokens, "prompt_tokens": [len(p) for p in prompts],
         "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "kv": {}, "cached_tokens": {}, "seconds": {},
+        "kv": {}, "cached_tokens": {}, "same_as_c1": {}, "seconds": {},
     }
     arms: dict[str, list[list[int]]] = {}
     for layout in layouts:
