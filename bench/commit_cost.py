@@ -5,7 +5,7 @@ CPU mode (default; shapes of the bundled model: 2 KV heads, head_dim 128), from 
 
 Device mode (a CUDA GPU; the issue-11 shape: one layer of the 8B model, 8 KV heads, D = G = 128,
 k4v2): ``python3 bench/commit_cost.py --device [--out FILE.json]``. Times the fused commit kernel
-(metal/commit.py, 8 and 4 rows a thread) against ``kvarn.pool.quantize_blocks`` (the mx.compile'd
+(metal/cuda/commit.py, 8 and 4 rows a thread) against ``kvarn.pool.quantize_blocks`` (the mx.compile'd
 pure-MLX quantizer) for 32 tiles (every row of a 32-row batch commits) and 1, counts how many code
 words and factors of the kernel differ from the reference's on the same tiles, and reports the
 first calls (MLX's JIT compiles: tens of seconds on a fresh machine) apart. Timing: ``n`` calls queued, one mx.eval,
@@ -69,8 +69,8 @@ def device_table(out_path: str | None) -> None:
     import numpy as np
 
     from kvarn.pool import quantize_blocks_reference as quantize_blocks  # the pure-MLX quantizer, never the kernel
-    from metal import commit as C
-    from metal import commit_path
+    from metal import KERNELS
+    from metal.cuda import commit as C
     H, D, G, kb, vb = 8, 128, 128, 4, 2
     layout = KVLayout.kvarn("k4v2")
     say = lambda *a: print(*a, flush=True)  # noqa: E731 - a run cut short keeps what it printed
@@ -97,19 +97,15 @@ def device_table(out_path: str | None) -> None:
         t_ref = timed(lambda: list(quantize_blocks(keys, values, layout).values()), 5, 7)
         t_k = {}
         for r, mk in ((8, 1), (4, 1), (4, 0)):
-            C.RECIPROCAL_DIVISION = mk
             try:
                 t_k[(r, mk)] = timed(lambda: list(C.quantize_tiles(keys=keys, values=values, key_bits=kb,
-                                                                   value_bits=vb, iters=layout.iters,
-                                                                   rows=r).values()), 20, 7)
+                                                                   value_bits=vb, iters=layout.iters, rows=r,
+                                                                   reciprocal=bool(mk)).values()), 20, 7)
             except Exception as exc:  # noqa: BLE001 - a launch failure of one variant is a result too
                 say(f"rows={r} mk={mk}: {exc}")
                 t_k[(r, mk)] = float("nan")
-            finally:
-                C.RECIPROCAL_DIVISION = 1
-        C.RECIPROCAL_DIVISION = 0
-        old = C.quantize_tiles(keys=keys, values=values, key_bits=kb, value_bits=vb, iters=layout.iters)
-        C.RECIPROCAL_DIVISION = 1
+        old = C.quantize_tiles(keys=keys, values=values, key_bits=kb, value_bits=vb, iters=layout.iters,
+                               reciprocal=False)
         same_as_ieee = all(bool(mx.array_equal(old[f], got[f]).item()) for f in got)
         best = min(v for v in t_k.values() if v == v)
         say(f"| {n} | {t_ref * 1e3:.3f} ms | {t_k[(8, 1)] * 1e3:.3f} ms | {t_k[(4, 1)] * 1e3:.3f} ms | "
@@ -124,7 +120,7 @@ def device_table(out_path: str | None) -> None:
         return quantize_blocks(keys, values, KVLayout(scheme="kvarn", key_bits=key_bits, value_bits=value_bits,
                                                       tile_size=keys.shape[2], iters=iters))
 
-    verdict = commit_path(reference=reference, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb,
+    verdict = KERNELS.commit_path(reference=reference, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb,
                           iters=layout.iters)
     say(f"commit_path: {verdict}")
     if out_path:

@@ -5,9 +5,9 @@ kernels) and the wait timed apart, against a plain elementwise op as the floor.
     PYTHONPATH=. python3 bench/commit_dispatch.py --out $OUT/commit-dispatch.json
 
 Pieces (one tile of 8 heads x 128 x 128 per layer, as a lone row commits): ``quantize`` (the
-fused commit kernel, ``metal.commit.quantize_tiles``), ``gather`` (the tail read out of a window
+fused commit kernel, ``metal.cuda.commit.quantize_tiles``), ``gather`` (the tail read out of a window
 buffer of 64 windows), ``records`` (the 8 scatters into record arrays of 2,048 blocks),
-``decode_kernel`` (``metal.paged_decode`` on one row of 32 tiles), ``add`` (x + 1 on the tile).
+``decode_kernel`` (``metal.cuda.paged_decode`` on one row of 32 tiles), ``add`` (x + 1 on the tile).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvarn.layout import KVLayout  # noqa: E402
 from kvarn.pool import RECORD_FIELDS, record_shapes  # noqa: E402
-from metal.commit import quantize_tiles  # noqa: E402
+from metal.cuda.commit import quantize_tiles  # noqa: E402
 
 L, H, G, D = 32, 8, 128, 128
 

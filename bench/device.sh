@@ -9,7 +9,7 @@
 #                                               #   one masked attention call a chunk vs one a tile
 #   bash bench/device.sh commit         # the commit kernel: registers, GPU tests, cost, Nsight Compute, and the
 #                                               #   commit step through the engine after its warm-up
-#   bash bench/device.sh commit-ab      # the decode commit reading the tails in place vs gathering them
+#   bash bench/device.sh commit-ab      # the decode commit step with CUDA graphs on and off
 #   bash bench/device.sh apc            # the prefix cache's TTFT: cold, memory hit, disk hit after a restart
 #   bash bench/device.sh batching       # the bundled model's continuous batching and batched-vs-alone parity
 # TESTS= skips a mode's GPU tests. Every call ends by packing MLX's compiled-kernel cache into $OUT
@@ -92,7 +92,6 @@ case "${1:-}" in
   commit-ab)
     sp="python3 bench/step_profile.py --arm kvarn-k4v2 --depth 4096 --rows 32 --commits 2 --kv-budget-gb 40"
     TAIL=20 step sp-inplace 150 $sp --out "$OUT/step-profile-h200-commit-inplace.json"
-    TAIL=20 step sp-gather 130 $sp --out "$OUT/step-profile-h200-commit-gather.json" --set kvarn.pool.COMMIT_IN_PLACE=0
     TAIL=20 step sp-nographs 120 env MLX_USE_CUDA_GRAPHS=0 $sp --out "$OUT/step-profile-h200-commit-nographs.json"
     ;;
   apc)

@@ -2,7 +2,8 @@
 pure-MLX reference path: do they give the same greedy tokens (8 prompts x 256 tokens)?
 
 Both arms run the same 8 held-out prompts (engine/data/kld_prompts.json) as one batch, greedy,
-256 tokens each, KVarN k4v2; the only difference is ``metal.attention_path()``'s verdict. Reports,
+256 tokens each, KVarN k4v2; the only difference is the decode attention's verdict
+(``metal.KERNELS.pin_attention_path``). Reports,
 per prompt, how many tokens agree before the first difference and the max |logprob difference| of
 the sampled tokens up to it.
 
@@ -20,7 +21,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import metal  # noqa: E402
+from metal import KERNELS  # noqa: E402
 from engine.engine import make_engine  # noqa: E402
 from engine.kld import PROMPTS_FILE  # noqa: E402
 from engine.kv_config import ApcConfig, KVConfig  # noqa: E402
@@ -55,10 +56,10 @@ def main() -> int:
     loaded = load_model(None, args.dtype)
     texts = [p["text"] for p in json.loads(PROMPTS_FILE.read_text())["prompts"][: args.prompts]]
     prompts = [loaded.tokenizer.encode(t, add_special_tokens=False)[: args.prompt_tokens] for t in texts]
-    fused_verdict = metal.attention_path()
+    fused_verdict = KERNELS.attention_path()
     arms = {}
     for name, verdict in (("fused", fused_verdict), ("reference", "reference")):
-        metal._VERDICT[:] = [verdict]  # the process's decision, set per arm
+        KERNELS.pin_attention_path(verdict)  # the process's decision, set per arm
         arms[name] = generate(loaded, prompts, args.tokens)
     rows = []
     for (a, la), (b, lb) in zip(arms["fused"], arms["reference"]):

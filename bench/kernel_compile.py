@@ -19,11 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metal.paged_decode import ATTENTION_INPUTS, ATTENTION_OUTPUTS  # noqa: E402
-from metal.paged_decode_mma import MMA_HEADER, MMA_SOURCE  # noqa: E402
-from metal.paged_decode_source import ATTENTION_SOURCE, HEADER  # noqa: E402
-from metal.commit import INPUTS as COMMIT_INPUTS, RECORD_FIELDS  # noqa: E402
-from metal.commit_source import HEADER as COMMIT_HEADER, SOURCE as COMMIT_SOURCE  # noqa: E402
+from metal.cuda.commit import INPUTS as COMMIT_INPUTS  # noqa: E402
+from metal.cuda.commit_source import HEADER as COMMIT_HEADER, SOURCE as COMMIT_SOURCE  # noqa: E402
+from metal.cuda.paged_decode import ATTENTION_INPUTS, ATTENTION_OUTPUTS  # noqa: E402
+from metal.cuda.paged_decode_mma import MMA_HEADER, MMA_SOURCE  # noqa: E402
+from metal.cuda.paged_decode_source import ATTENTION_SOURCE, HEADER  # noqa: E402
+from metal.records import RECORD_FIELDS  # noqa: E402
 
 PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
 TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "uint32": "uint32_t", "int32": "int32_t"}

@@ -1,4 +1,4 @@
-"""One layer's KVarN decode attention on the GPU: the fused paged kernel (metal/paged_decode.py; its
+"""One layer's KVarN decode attention on the GPU: the fused paged kernel (metal/cuda/paged_decode.py; its
 tensor-core body and variants, its scalar body) vs fused fp16 SDPA on contiguous fp16 K/V vs the
 pure-MLX reference path (gather, dequantize, SDPA).
 
@@ -27,9 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvarn.layout import KVLayout  # noqa: E402
 from kvarn.pool import block_nbytes, record_shapes  # noqa: E402
-from metal import attention_path  # noqa: E402
-from metal.paged_decode import BLOCKS_PER_SM, RowLengths, Variant, make_plan, paged_decode_attention, \
-    reference_paged_decode_attention  # noqa: E402
+from metal import KERNELS  # noqa: E402
+from metal.cuda.paged_decode import Variant, paged_decode_attention  # noqa: E402
+from metal.paged_plan import BLOCKS_PER_SM, RowLengths, make_plan  # noqa: E402
+from metal.reference import reference_paged_decode_attention  # noqa: E402
 
 NQ, H, D, G = 32, 8, 128, 128
 LAYOUT = KVLayout.kvarn("k4v2")
@@ -135,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = {k: VARIANTS[k] for k in args.variants.split(",")}
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "attention_path": attention_path(),
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "attention_path": KERNELS.attention_path(),
            "git": git, "heads": [NQ, H], "head_dim": D, "tile": G, "layout": "k4v2",
            "default_blocks_per_sm": BLOCKS_PER_SM, "calls_per_eval": CALLS, "rows": []}
     for B, T in SHAPES:

@@ -16,7 +16,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_decode import H, pool_case  # noqa: E402
-from metal.paged_decode import BLOCKS_PER_SM, Variant, make_plan, paged_decode_attention  # noqa: E402
+from metal.cuda.paged_decode import Variant, paged_decode_attention  # noqa: E402
+from metal.paged_plan import BLOCKS_PER_SM, make_plan  # noqa: E402
 
 
 def main() -> None:

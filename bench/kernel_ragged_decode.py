@@ -1,5 +1,5 @@
 """One layer's fp16-baseline decode attention on the GPU: the fused ragged kernel
-(metal/ragged_decode.py) over the slot buffers vs fused SDPA with no mask over contiguous stacked
+(metal/cuda/ragged_decode.py) over the slot buffers vs fused SDPA with no mask over contiguous stacked
 [B, 8, T, 128] K/V (the best fp16 path MLX has: it needs every row at one length) vs the pure-MLX
 reference (gather the slots, float32 SDPA under the validity mask).
 
@@ -35,8 +35,10 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metal import ragged_decode_path  # noqa: E402
-from metal import ragged_decode as rd  # noqa: E402
+from metal import KERNELS  # noqa: E402
+from metal.cuda import ragged_decode as rd  # noqa: E402
+from metal.device import planning_sms  # noqa: E402
+from metal.reference import reference_ragged_decode_attention  # noqa: E402
 
 NQ, H, D = 32, 8, 128
 Q_DTYPE = mx.bfloat16
@@ -108,10 +110,10 @@ def run_shape(shape, kv_dtype: mx.Dtype, reps: int, calls: int, variants: dict, 
     res["sdpa_ms"] = 1e3 * timed(sdpa, calls, reps)
     res["sdpa_GBps"] = store_bytes / res["sdpa_ms"] / 1e6
     kw0 = {k: copies[0][k] for k in ("queries", "keys", "values")}
-    ref = rd.reference_ragged_decode_attention(**kw0, slots=slots, lengths=lengths, scale=scale)
+    ref = reference_ragged_decode_attention(**kw0, slots=slots, lengths=lengths, scale=scale)
     mx.eval(ref)
     res["reference_ms"] = 1e3 * timed(
-        lambda: rd.reference_ragged_decode_attention(**kw0, slots=slots, lengths=lengths, scale=scale),
+        lambda: reference_ragged_decode_attention(**kw0, slots=slots, lengths=lengths, scale=scale),
         min(4, calls), min(3, reps))
     if not isinstance(shape, str):  # rows of one length: the unmasked SDPA is the same attention
         res["sdpa_err_vs_reference"] = rel_err(
@@ -139,8 +141,8 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 def compile_report(QT: str, KT: str, Dh: int, NR: int, final: int) -> str:
-    from metal.paged_decode import minify
-    from metal.ragged_decode_source import ATTENTION_SOURCE, HEADER
+    from metal.cuda.ragged_decode_source import ATTENTION_SOURCE, HEADER
+    from metal.launch import minify
     types = {"queries": CTYPES[QT], "keys": CTYPES[KT], "values": CTYPES[KT], "rows": "int32_t", "work": "int32_t",
              "meta": "int32_t", "meta_f": "float"}
     params = [f"const {types[n]}* {n}" for n in rd.ATTENTION_INPUTS]
@@ -188,9 +190,10 @@ def main() -> None:
     if not kernel:
         print("no CUDA device: the kernel is skipped (SDPA and the reference only)", flush=True)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "ragged_decode_path": ragged_decode_path(),
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__,
+           "ragged_decode_path": KERNELS.ragged_decode_path(),
            "git": git, "heads": [NQ, H], "head_dim": D, "q_dtype": str(Q_DTYPE), "calls_per_eval": calls,
-           "smoke": args.smoke, "policy": {"num_sms": rd.NUM_SMS, "resident_blocks": rd.RESIDENT_BLOCKS,
+           "smoke": args.smoke, "policy": {"num_sms": planning_sms(), "resident_blocks": rd.RESIDENT_BLOCKS,
                                            "target_waves": rd.TARGET_WAVES, "min_split": rd.MIN_SPLIT,
                                            "split_align": rd.SPLIT_ALIGN}, "rows": []}
     for kv_name in args.kv_dtypes.split(","):

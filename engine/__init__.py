@@ -15,15 +15,15 @@ from engine.loader import BUNDLED_MODEL_DIR, DTYPES, LoadedModel, load_model
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams, TokenLogprob
 from engine.sampler import MAX_TOP_LOGPROBS
 from engine.scheduler import SchedulerConfig
-from metal import decided_attention_path, decided_ragged_decode_path
+from metal import KERNELS
 
 
 def attention_in_force() -> str:
     """The decode attention in force: "cuda-fused" | "metal-fused" | "reference": KVarN's (decided
-    when a KVarN engine is made: ``metal.attention_path``), else on CUDA the fp16 baseline's
-    (``metal.ragged_decode_path``, decided when an fp16 engine is made there); "undecided" before
-    that, and on a server that decides neither (fp16 off CUDA, affine)."""
-    return decided_attention_path() or decided_ragged_decode_path() or "undecided"
+    when a KVarN engine is made: ``metal.KERNELS.attention_path``), else on CUDA the fp16 baseline's
+    (``metal.KERNELS.ragged_decode_path``, decided when an fp16 engine is made there); "undecided"
+    before that, and on a server that decides neither (fp16 off CUDA, affine)."""
+    return KERNELS.decided_attention_path() or KERNELS.decided_ragged_decode_path() or "undecided"
 
 
 __all__ = [

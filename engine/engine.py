@@ -32,7 +32,7 @@ from kvarn.layout import KVLayout
 from kvarn.rows import RowStore
 from kvarn.pool import warm_quantizer
 from kvarn.rotating import AffineRotatingKVCache
-from metal import attention_path, ragged_decode_path
+from metal import KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,9 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     if kvarn_layer is not None:  # every tile count a step can commit: decode rows, or one prompt chunk
         _, heads, _, dim = kvarn_layer.sink_k.shape
         warm_quantizer(layout, heads, dim, max(config.max_num_seqs, -(-config.prefill_chunk_size // layout.tile_size)))
-        attention_path()  # decide the decode attention (the fused kernel's self-check) before serving
+        KERNELS.attention_path()  # decide the decode attention (the fused kernel's self-check) before serving
     elif layout.scheme == "fp16" and hasattr(mx, "cuda") and mx.cuda.is_available():
-        ragged_decode_path()  # the fp16 slots' fused decode kernel: its self-check, before serving
+        KERNELS.ragged_decode_path()  # the fp16 slots' fused decode kernel: its self-check, before serving
     pricing = make_pricing(loaded, layout, config.prefill_chunk_size)
     if config.kv_budget_bytes is None:
         weights = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))

@@ -21,9 +21,8 @@ from kvarn.paged import PagedLayer, PagedRow, _rounded
 from kvarn.pool import PAD, dequantize_blocks, quantize_window_tails
 from kvarn.quantize import rotate
 from kvarn.step import step_of
-from metal import attention_path
-from metal import paged_decode_metal
-from metal.paged_decode import RowLengths, is_supported, make_plan, paged_decode_attention
+from metal import KERNELS
+from metal.paged_plan import RowLengths, make_plan
 
 @dataclass(frozen=True)
 class StepIndex:
@@ -213,9 +212,9 @@ def attention_dtype(queries: mx.array) -> mx.Dtype:
 
 def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: StepIndex, scale: float) -> mx.array:
     """Decode attention of every row of one layer (queries [B, n_q, 1, D]) after ``decode_update``:
-    the fused kernel (``metal.paged_decode``, on Apple GPUs ``metal.paged_decode_metal``: reads the
-    pool in place) where ``attention_path()``
-    says so and it has the shape's template, else one SDPA over [window (sink, tail) | records]
+    the fused kernel (``metal.cuda.paged_decode``, on Apple GPUs ``metal.msl.paged_decode``: reads
+    the pool in place) where ``metal.KERNELS`` has one for the shape,
+    else one SDPA over [window (sink, tail) | records]
     gathered and dequantized from the pool (the reference path; where MLX reads quantized codes,
     the CPU and Metal, the records are read straight from the pool's codes instead:
     ``_quantized_matmul_attention``)."""
@@ -223,18 +222,15 @@ def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: Ste
     a = view0.row.pool.layers[view0.l]
     layout = view0.layout
     H, D = a.win_k.shape[1], a.win_k.shape[3]
-    path = attention_path()
-    fused = {"cuda-fused": (is_supported, paged_decode_attention),
-             "metal-fused": (paged_decode_metal.is_supported, paged_decode_metal.paged_decode_attention)}.get(path)
-    if (fused is not None and a.win_k.dtype == mx.float16 and queries.dtype != mx.float32
-            and fused[0](head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
-                         value_bits=layout.value_bits, n_rep=queries.shape[1] // H)):
+    kernel = KERNELS.paged_decode(head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
+                                  value_bits=layout.value_bits, n_rep=queries.shape[1] // H)
+    if kernel is not None and a.win_k.dtype == mx.float16 and queries.dtype != mx.float32:
         L = index.lengths
         plan = index.plans.get(H)
         if plan is None:
             plan = index.plans[H] = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
-        return fused[1](queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v, table=index.table,
-                        lengths=L, scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, plan=plan)
+        return kernel(queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v, table=index.table,
+                      lengths=L, scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, plan=plan)
     if reads_codes_directly():
         return _quantized_matmul_attention(queries, a, index, layout, scale)
     dtype = attention_dtype(queries)

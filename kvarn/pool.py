@@ -43,14 +43,9 @@ import mlx.core as mx
 
 from kvarn.layout import KVLayout
 from kvarn.quantize import quantize_keys_values
-from metal import commit_path
 from kvarn.allocator import BlockAllocator, counter
-from metal.commit import quantize_tiles
-from metal.commit import quantize_window_tails as quantize_window_tails_kernel
-from metal.commit_metal import quantize_tiles as metal_quantize_tiles
-from metal.commit_metal import quantize_window_tails as metal_quantize_window_tails
-
-FUSED = ("cuda-fused", "metal-fused")  # commit verdicts that run a fused kernel
+from metal import KERNELS
+from metal.selector import CommitKernel
 
 PAD = 0  # the reserved id of every kind
 RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
@@ -103,44 +98,42 @@ def block_nbytes(layout: KVLayout, H: int, D: int) -> int:
 def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:
     """Quantize rotated float16 tiles [n, H, G, D] into n blocks (block-major record fields).
 
-    On a CUDA GPU where ``metal.commit_path`` says so (the fused kernel has the layout's template
-    and passed its self-check against this module's quantizer), one launch of
-    ``metal.commit.quantize_tiles`` for every tile, head, K and V: the same bytes (tested); on an
-    Apple GPU where it says ``"metal-fused"``, the Metal twin ``metal.commit_metal.quantize_tiles``.
-    Elsewhere the pure-MLX quantizer (``quantize_blocks_reference``)."""
-    n, H, G, D = keys.shape
-    path = commit_path(reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits,
-                       value_bits=layout.value_bits, iters=layout.iters)
-    if path in FUSED:
-        kernel = quantize_tiles if path == "cuda-fused" else metal_quantize_tiles
-        return kernel(keys=keys, values=values, key_bits=layout.key_bits, value_bits=layout.value_bits,
-                      iters=layout.iters)
+    Where ``metal.KERNELS`` has a fused commit for the layout (it has the layout's template and
+    passed its self-check against this module's quantizer: ``metal.cuda.commit.quantize_tiles`` on
+    CUDA, the same bytes (tested); its Metal twin on an Apple GPU), one launch for every tile, head,
+    K and V. Elsewhere the pure-MLX quantizer (``quantize_blocks_reference``)."""
+    kernel = _commit_kernel(layout, keys.shape[3])
+    if kernel is not None:
+        return kernel.tiles(keys=keys, values=values, key_bits=layout.key_bits, value_bits=layout.value_bits,
+                            iters=layout.iters)
     return quantize_blocks_reference(keys, values, layout)
 
 
-COMMIT_IN_PLACE = 1  # 0: gather the tails even where the kernel runs (bench/step_profile.py --set, an A/B)
+def _commit_kernel(layout: KVLayout, D: int) -> CommitKernel | None:
+    """The fused commit for this layout and head dim, or None (the pure-MLX quantizer runs)."""
+    return KERNELS.commit(reference=_reference, head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
+                          value_bits=layout.value_bits, iters=layout.iters)
 
 
 def quantize_window_tails(win_k: mx.array, win_v: mx.array, slots: mx.array, layout: KVLayout) -> dict[str, mx.array]:
     """``quantize_blocks`` of the tails of windows ``slots`` ([n] int32) of a layer's window
     buffers [Nw, H, 2G, D] (each window: sink then tail, G tokens each): a decode step's commit.
-    Where a fused kernel runs it reads the tails in place (``metal.commit.quantize_window_tails``,
-    on Apple GPUs ``metal.commit_metal.quantize_window_tails``: no gather, no copy, one launch);
-    elsewhere the tails are gathered for the pure-MLX quantizer."""
+    Where a fused kernel runs it reads the tails in place (``metal.cuda.commit.quantize_window_tails``
+    or its Metal twin: no gather, no copy, one launch); elsewhere the tails are gathered for the
+    pure-MLX quantizer."""
     _, H, G2, D = win_k.shape
     G = G2 // 2
-    path = commit_path(reference=_reference, head_dim=D, tile_size=G, key_bits=layout.key_bits,
-                       value_bits=layout.value_bits, iters=layout.iters) if COMMIT_IN_PLACE else "reference"
-    if win_k.dtype == mx.float16 and path in FUSED:
-        kernel = quantize_window_tails_kernel if path == "cuda-fused" else metal_quantize_window_tails
-        return kernel(win_k=win_k, win_v=win_v, slots=slots, key_bits=layout.key_bits, value_bits=layout.value_bits,
-                      iters=layout.iters)
+    kernel = _commit_kernel(layout, D)
+    if win_k.dtype == mx.float16 and kernel is not None:
+        return kernel.window_tails(win_k=win_k, win_v=win_v, slots=slots, key_bits=layout.key_bits,
+                                   value_bits=layout.value_bits, iters=layout.iters)
     return quantize_blocks(win_k[slots][:, :, G:].astype(STORE_DTYPE), win_v[slots][:, :, G:].astype(STORE_DTYPE),
                            layout)
 
 
 def _reference(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int) -> dict[str, mx.array]:
-    """``quantize_blocks_reference`` called as ``metal.commit_path``'s self-check calls it."""
+    """``quantize_blocks_reference`` called as the fused commit's self-check calls it
+    (``metal.selector.Kernels.commit_path``)."""
     layout = replace(KVLayout.kvarn((key_bits, value_bits), tile_size=keys.shape[2]), iters=iters)
     return quantize_blocks_reference(keys, values, layout)
 
@@ -180,8 +173,7 @@ def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
             tiles = mx.zeros((n, H, layout.tile_size, D), STORE_DTYPE)
             mx.eval(list(quantize_blocks(tiles, tiles, layout).values()))
             _WARMED.add(key)
-        fused = commit_path(reference=_reference, head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
-                            value_bits=layout.value_bits, iters=layout.iters) in FUSED
+        fused = _commit_kernel(layout, D) is not None
         if fused and (layout, H, D, "window") not in _WARMED:
             # the decode commit's kernel is its own template (WIN = 1, NH = the model's heads), which
             # the self-check (other heads) does not build: its first use in a step cost 3.9 s on the

@@ -1,7 +1,7 @@
 """How a decode batch of baseline slots (``kvarn.slots.SlotBatch``) attends on a GPU, where one
 masked call over the batch's slice is not the fastest path.
 
-* CUDA, fp16: the fused ragged decode kernel (``metal.ragged_decode``), one launch a layer that
+* CUDA, fp16: the fused ragged decode kernel (``metal.cuda.ragged_decode``), one launch a layer that
   reads every row's own slot of the store's buffers in place over exactly its ``offset`` tokens
   (no mask), where the kernel has the shape and passed its self-check;
 * other GPUs (or no kernel for the shape), deep rows: one unmasked fused SDPA per row;
@@ -14,22 +14,21 @@ import mlx.core as mx
 
 from kvarn.slots import SlotBatch
 from kvarn.step import step_of
-from metal import ragged_decode_path
-from metal.ragged_decode import is_supported as ragged_is_supported
-from metal.ragged_decode import make_plan as make_ragged_plan
-from metal.ragged_decode import ragged_decode_attention
+from metal import KERNELS
+from metal.cuda.ragged_decode import make_plan as make_ragged_plan
+from metal.cuda.ragged_decode import ragged_decode_attention
 
 
 def fused_decode(cache: SlotBatch, queries: mx.array, sinks: mx.array | None) -> bool:
     """Whether a decode batch of fp16 slots runs the fused ragged decode kernel
-    (``metal.ragged_decode``: one launch a layer over every row's own slot, no mask): on CUDA,
-    where the kernel has the shape and passed its self-check at first use."""
-    if cache.store.quantized or sinks is not None or not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+    (``metal.cuda.ragged_decode``: one launch a layer over every row's own slot, no mask): where
+    ``metal.KERNELS`` has it for the shape (CUDA; its self-check passed at first use)."""
+    if cache.store.quantized or sinks is not None:
         return False
     buf = cache.store._buffers[0]
-    return (ragged_is_supported(head_dim=buf.shape[3], n_rep=queries.shape[1] // buf.shape[1], dtype=queries.dtype,
-                                kv_dtype=buf.dtype)
-            and queries.shape[1] % buf.shape[1] == 0 and ragged_decode_path() == "cuda-fused")
+    return queries.shape[1] % buf.shape[1] == 0 and KERNELS.ragged_decode(
+        head_dim=buf.shape[3], n_rep=queries.shape[1] // buf.shape[1], dtype=queries.dtype,
+        kv_dtype=buf.dtype) is not None
 
 
 def fused_decode_attention(queries: mx.array, cache: SlotBatch, scale: float) -> mx.array:

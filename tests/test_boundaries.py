@@ -39,3 +39,96 @@ def test_the_checker_sees_a_forbidden_edge(tmp_path):
     sample = tmp_path / "m.py"
     sample.write_text("import mlx.core as mx\nfrom kvarn.layout import KVLayout\nfrom . import x\n")
     assert imported_roots(sample) == {"mlx", "kvarn"}
+
+
+# ---- no run-time switches: product modules keep no A/B settings, and nobody flips another module's state ----
+PRODUCT = ("server", "engine", "kvarn", "apc", "metal")
+AB_SWITCHES = {"COMMIT_IN_PLACE", "RECIPROCAL_DIVISION", "NUM_SMS"}  # now a kernel argument / the device's count
+
+
+def _project_aliases(tree: ast.AST) -> set[str]:
+    """Names a module binds to something imported from the project's packages."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in PRODUCT)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] in PRODUCT:
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def state_writes(path: Path) -> list[str]:
+    """Where a module writes state it imported from the project (``mod.NAME = ...``,
+    ``mod.NAME[:] = ...``, ``setattr(mod, ...)``) or rebinds an UPPER_CASE module name inside a
+    function (``global NAME``): as "line: what"."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases, found = _project_aliases(tree), []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            if isinstance(target, (ast.Attribute, ast.Subscript)) and _root_name(target) in aliases:
+                found.append(f"{node.lineno}: {ast.unparse(target)} = ...")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and node.args and _root_name(node.args[0]) in aliases:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Global) and any(n.isupper() for n in node.names):
+            found.append(f"{node.lineno}: global {', '.join(node.names)}")
+    return found
+
+
+def switch_names(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{n.lineno}: {n.id if isinstance(n, ast.Name) else n.attr}" for n in ast.walk(tree)
+            if (isinstance(n, ast.Name) and n.id in AB_SWITCHES) or (isinstance(n, ast.Attribute) and n.attr in AB_SWITCHES)]
+
+
+def empty_module_containers(path: Path) -> list[str]:
+    """Module-level names bound to an empty dict, list or set: state meant to be filled at run time."""
+    found = []
+    for node in ast.parse(path.read_text(), str(path)).body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        empty = (isinstance(value, (ast.Dict, ast.List, ast.Set)) and not getattr(value, "keys", None)
+                 and not getattr(value, "elts", None)) or (
+            isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and not value.args
+            and value.func.id in ("dict", "list", "set", "defaultdict", "OrderedDict"))
+        if empty:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["metal", "kvarn", "engine", "bench"])
+def test_no_module_flips_another_modules_state(package):
+    bad = {str(f.relative_to(ROOT)): state_writes(f) for f in sorted((ROOT / package).rglob("*.py"))
+           if "bench/out" not in str(f)}
+    assert {f: w for f, w in bad.items() if w} == {}
+
+
+@pytest.mark.parametrize("package", ["metal", "kvarn", "engine"])
+def test_no_ab_switches_in_product_modules(package):
+    bad = {str(f.relative_to(ROOT)): switch_names(f) for f in sorted((ROOT / package).rglob("*.py"))}
+    assert {f: w for f, w in bad.items() if w} == {}
+
+
+def test_metal_keeps_no_run_time_state_but_the_selector_s():
+    """The verdicts live in one ``metal.selector.Kernels``; other caches in metal/ are memoized
+    functions (``functools``), never module containers filled at run time."""
+    bad = {str(f.relative_to(ROOT)): empty_module_containers(f) for f in sorted((ROOT / "metal").rglob("*.py"))}
+    assert {f: w for f, w in bad.items() if w} == {}
+
+
+def test_the_state_checks_see_what_they_forbid(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text("import metal\nfrom metal.cuda import commit as C\nimport numpy as np\n"
+                      "metal._VERDICT[:] = ['reference']\nC.RECIPROCAL_DIVISION = 0\nsetattr(C, 'X', 1)\n"
+                      "np.seterr = None\n_CACHE: dict = {}\n_SEEN = set()\nNAMES = ['a']\n"
+                      "def f():\n    global LIMIT\n    LIMIT = 2\n")
+    assert [w.split(":")[0] for w in state_writes(sample)] == ["4", "5", "6", "12"]
+    assert switch_names(sample) == ["5: RECIPROCAL_DIVISION"]
+    assert [w.split(":")[0] for w in empty_module_containers(sample)] == ["8", "9"]

@@ -428,6 +428,7 @@ def test_warming_builds_the_decode_commit_for_the_models_heads_once(monkeypatch)
     """Where the fused commit runs, start-up also evaluates the decode commit (its own kernel
     template, by the model's heads) once a process; on the reference path it does not."""
     import kvarn.pool as pool_mod
+    from metal.selector import Backend, CommitKernel, Kernels
 
     layout = KVLayout.kvarn("k4v2", tile_size=64)
     calls = []
@@ -437,14 +438,16 @@ def test_warming_builds_the_decode_commit_for_the_models_heads_once(monkeypatch)
         G = win_k.shape[2] // 2
         return pool_mod.quantize_blocks_reference(win_k[slots][:, :, G:], win_v[slots][:, :, G:], layout)
 
+    def tiles(*, keys, values, key_bits, value_bits, iters):
+        return pool_mod.quantize_blocks_reference(keys, values, layout)
+
     monkeypatch.setattr(pool_mod, "_WARMED", set())
-    monkeypatch.setattr(pool_mod, "quantize_window_tails_kernel", kernel)
-    monkeypatch.setattr(pool_mod, "commit_path", lambda **kw: "reference")  # as on a CPU, whatever runs the test
+    monkeypatch.setattr(pool_mod, "KERNELS", Kernels(backend=None))  # as on a CPU, whatever runs the test
     pool_mod.warm_quantizer(layout, 3, 128, 2)
     assert not calls  # the reference path: nothing but the quantizer buckets
-    monkeypatch.setattr(pool_mod, "commit_path", lambda **kw: "cuda-fused")
-    monkeypatch.setattr(pool_mod, "quantize_tiles", lambda *, keys, values, key_bits, value_bits, iters, **kw:
-                        pool_mod.quantize_blocks_reference(keys, values, layout))
+    fused = Backend("CUDA", "cuda-fused", commit=CommitKernel(tiles, kernel), commit_supported=lambda **kw: True)
+    monkeypatch.setattr(pool_mod, "KERNELS", Kernels(fused))
     for _ in range(2):
         pool_mod.warm_quantizer(layout, 3, 128, 2)
-    assert calls == [((1, 3, 128, 128), (1,), 4, 2)]
+    # the self-check's window commit (2 heads), then the model's heads' template, once
+    assert calls == [((3, 2, 128, 128), (2,), 4, 2), ((1, 3, 128, 128), (1,), 4, 2)]

@@ -482,7 +482,7 @@ def test_fused_decode_reads_each_row_over_its_own_slot(monkeypatch):
     each row's slot and length after the write: run here through the kernel's pure-MLX twin, it
     gives what the masked call over the batch's slice does. The CPU itself takes the masked call."""
     import kvarn.slot_attention as slots
-    from metal.ragged_decode import reference_ragged_decode_attention
+    from metal.reference import reference_ragged_decode_attention
 
     batch, q, keys, values, mask = _batch_after_a_write(np.random.default_rng(12))
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)

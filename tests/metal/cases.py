@@ -10,7 +10,7 @@ import numpy as np
 
 from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, quantize_blocks
-from metal.paged_decode import RowLengths
+from metal.paged_plan import RowLengths
 from tests.kvarn.reference import reference_attention, unpack
 
 

@@ -295,7 +295,7 @@ def _dt(a):
 
 
 def run_launch(call) -> list:
-    """Run a ``metal.paged_decode.Launch`` through the emulator; returns the outputs as numpy arrays."""
+    """Run a ``metal.cuda.paged_decode.Launch`` through the emulator; returns the outputs as numpy arrays."""
     import mlx.core as mx
     ins = [_np(a) for a in call.inputs]
     outs = [np.full(s, 0xFFFF, np.uint16) if d == mx.bfloat16 else np.full(s, np.nan, _dt(d))
@@ -309,13 +309,14 @@ def run_launch(call) -> list:
 
 
 def emulated_paged_decode_attention(variant=None, **kw) -> np.ndarray:
-    """``metal.paged_decode.paged_decode_attention`` with both kernels run by the emulator."""
+    """``metal.cuda.paged_decode.paged_decode_attention`` with both kernels run by the emulator."""
     import mlx.core as mx
-    from metal import paged_decode as pd
+    from metal.cuda import paged_decode as pd
+    from metal.paged_plan import make_plan
     q = kw["queries"]
     H = kw["win_k"].shape[1]
     L = kw["lengths"]
-    plan = kw.get("plan") or pd.make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
+    plan = kw.get("plan") or make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
     call = pd.attention_launch(q, kw["records"], kw["win_k"], kw["win_v"], kw["table"], plan, kw["scale"],
                                (kw["key_bits"], kw["value_bits"]), variant or pd.DEFAULT_VARIANT)
     part_o, part_ml = run_launch(call)
@@ -337,10 +338,10 @@ def _assert_written(out: np.ndarray, dtype, what: str) -> None:
 
 
 def emulated_ragged_decode_attention(**kw) -> np.ndarray:
-    """``metal.ragged_decode.ragged_decode_attention`` with both kernels run by the emulator
+    """``metal.cuda.ragged_decode.ragged_decode_attention`` with both kernels run by the emulator
     (asserting every output element of each launch was written)."""
     import mlx.core as mx
-    from metal import ragged_decode as rd
+    from metal.cuda import ragged_decode as rd
     q, keys = kw["queries"], kw["keys"]
     rd.check_arguments(q, keys, kw["values"], kw["slots"], kw["lengths"], kw.get("plan"))
     plan = kw.get("plan") or rd.make_plan(kw["slots"], kw["lengths"], keys.shape[1])

@@ -400,7 +400,7 @@ def unwritten(out: np.ndarray, dtype) -> bool:
 
 def run_launch(call, source: str | None = None, header: str | None = None,
                flags: tuple[str, ...] = ("-ffp-contract=off",)) -> list[np.ndarray]:
-    """Run a ``MetalLaunch`` (``metal.paged_decode_metal`` / ``metal.commit_metal``) through the
+    """Run a ``MetalLaunch`` (``metal.msl.paged_decode`` / ``metal.msl.commit``) through the
     emulator; returns the outputs as numpy arrays (poisoned before the launch; bfloat16 as
     uint16 bits). ``source`` / ``header`` replace the launch's (the tests' broken variants)."""
     ins = [to_numpy(a) for a in call.inputs]
@@ -413,14 +413,14 @@ def run_launch(call, source: str | None = None, header: str | None = None,
 
 
 def emulated_paged_decode_attention(source: str | None = None, **kw) -> np.ndarray:
-    """``metal.paged_decode_metal.paged_decode_attention`` with both launches run by the emulator
+    """``metal.msl.paged_decode.paged_decode_attention`` with both launches run by the emulator
     (asserting every output element of each was written); float64 [B, n_q, 1, D]."""
     import mlx.core as mx
-    from metal import paged_decode as pd
-    from metal import paged_decode_metal as pm
+    from metal.msl import paged_decode as pm
+    from metal.paged_plan import make_plan
     q, H = kw["queries"], kw["win_k"].shape[1]
     L = kw["lengths"]
-    plan = kw.get("plan") or pd.make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
+    plan = kw.get("plan") or make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
     call = pm.attention_launch(q, kw["records"], kw["win_k"], kw["win_v"], kw["table"], plan, kw["scale"],
                                (kw["key_bits"], kw["value_bits"]))
     part_o, part_ml = run_launch(call, source)

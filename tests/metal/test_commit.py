@@ -1,4 +1,4 @@
-"""The fused tile commit (metal/commit.py) against kvarn's own pure-MLX quantizer
+"""The fused tile commit (metal/cuda/commit.py) against kvarn's own pure-MLX quantizer
 (``kvarn.pool.quantize_blocks_reference``):
 its CUDA source run by the CPU emulator on a few small layouts, and the kernel on a GPU across
 bits, head dims, tile sizes and tile counts (those skip on the CPU).
@@ -21,11 +21,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import metal
 from kvarn import quantize as Q
 from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, quantize_blocks_reference, record_shapes
-from metal import commit as C
+from metal.cuda import commit as C
+from metal.selector import COMMIT_SELF_CHECK_CODES, Kernels, commit_self_check, cuda_backend
 from tests.kvarn.reference import unpack
 from tests.metal import cuda_emulator
 
@@ -150,15 +150,16 @@ def test_verdict_off_cuda_never_calls_the_reference():
     if HAS_CUDA:
         pytest.skip("a CUDA device is present: test_commit_path_on_cuda covers it")
     called = []
-    path = metal.commit_path(reference=lambda **kw: called.append(1), head_dim=64, tile_size=64)
+    kernels = Kernels()
+    path = kernels.commit_path(reference=lambda **kw: called.append(1), head_dim=64, tile_size=64)
     assert path == "reference" and not called
-    assert metal.decided_commit_path() == "reference"
+    assert kernels.decided_commit_path() == "reference"
 
 
 # ---- the CUDA source run by the CPU emulator (slow: one thread per CUDA thread) ----
 def emulated_quantize_tiles(keys: mx.array, values: mx.array, kb: int, vb: int, rows: int,
                             slots: mx.array | None = None) -> dict:
-    """``metal.commit.quantize_tiles`` with the kernel run by the emulator (with ``slots``:
+    """``metal.cuda.commit.quantize_tiles`` with the kernel run by the emulator (with ``slots``:
     ``quantize_window_tails`` of window buffers ``keys``/``values``); the outputs start
     poisoned, so an element the kernel leaves unwritten fails the comparison."""
     call = C.commit_launch(keys, values, kb, vb, ITERS, rows, slots=slots)
@@ -244,11 +245,14 @@ def test_blocks_that_do_not_start_fall_back_to_eight_rows(monkeypatch):
         return {name: mx.zeros((1,)) for name in RECORD_FIELDS}
 
     monkeypatch.setattr(C, "_run", run)
-    monkeypatch.setattr(C, "_LAUNCHES", {})
+    C._blocks_start.cache_clear()  # the device fact is asked afresh, of the stand-in launcher
     keys, values = make_tiles(2, 2, 128, 128, seed=2)
     call = C.commit_launch(keys, values, 4, 2, ITERS, 4)
-    C._launch(call, 128, 128)
-    C._launch(call, 128, 128)
+    try:
+        C._launch(call, 128, 128, (4, 2))
+        C._launch(call, 128, 128, (4, 2))
+    finally:
+        C._blocks_start.cache_clear()  # not this stand-in's answer for the real kernel
     probes = [c for c in runs if c.threadgroup[0] == 1024]
     assert len(probes) == 1 and probes[0].grid == (1024, 2, 1)  # one tile of one head, K and V
     assert [c.threadgroup[0] for c in runs[1:]] == [512, 512]
@@ -336,13 +340,32 @@ def test_kernel_window_tails(slots):
 
 @needs_cuda
 def test_commit_path_on_cuda():
-    assert metal.commit_path(reference=reference, head_dim=128, tile_size=128) == "cuda-fused"
-    assert metal.commit_path(reference=reference, head_dim=96, tile_size=128) == "reference"  # no template
-    same, worst = metal.commit_self_check(reference, head_dim=64, tile_size=64, key_bits=4, value_bits=2, iters=ITERS)
+    kernels = Kernels()
+    assert kernels.commit_path(reference=reference, head_dim=128, tile_size=128) == "cuda-fused"
+    assert kernels.commit_path(reference=reference, head_dim=96, tile_size=128) == "reference"  # no template
+    kw = dict(head_dim=64, tile_size=64, key_bits=4, value_bits=2, iters=ITERS)
+    same, worst = commit_self_check(reference, cuda_backend().commit, **kw)
     assert same == 1.0 and worst < 1e-3
 
     def broken(**kw):  # a reference that disagrees: the self-check must see it
         out = reference(**kw)
         return dict(out, k_codes=out["k_codes"] ^ mx.array(0x55555555, dtype=mx.uint32))
-    same, _ = metal.commit_self_check(broken, head_dim=64, tile_size=64, key_bits=4, value_bits=2, iters=ITERS)
-    assert same < metal.COMMIT_SELF_CHECK_CODES
+    same, _ = commit_self_check(broken, cuda_backend().commit, **kw)
+    assert same < COMMIT_SELF_CHECK_CODES
+
+
+def test_the_division_variant_is_a_template_argument():
+    """Reciprocal divisions (MK = 1) unless the caller asks for IEEE divisions (the benchmark's
+    comparison): an argument of the launch, not a setting of the module."""
+    keys, values = make_tiles(1, 1, 64, 64, seed=1)
+    assert dict(C.commit_launch(keys, values, 4, 2, ITERS).template)["MK"] == 1
+    assert dict(C.commit_launch(keys, values, 4, 2, ITERS, reciprocal=False).template)["MK"] == 0
+
+
+@needs_cuda
+def test_reciprocal_and_ieee_divisions_give_the_same_bytes():
+    keys, values = make_tiles(4, 8, 128, 128, seed=9)
+    kw = dict(keys=keys, values=values, key_bits=4, value_bits=2)
+    fast, ieee = C.quantize_tiles(**kw), C.quantize_tiles(**kw, reciprocal=False)
+    for name in RECORD_FIELDS:
+        assert np.array_equal(np.array(fast[name]), np.array(ieee[name])), name

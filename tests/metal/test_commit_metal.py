@@ -1,4 +1,4 @@
-"""The Metal twin of the fused tile commit (metal/commit_metal.py) against kvarn's pure-MLX
+"""The Metal twin of the fused tile commit (metal/msl/commit.py) against kvarn's pure-MLX
 quantizer (``kvarn.pool.quantize_blocks_reference``): its Metal source run by the CPU emulator
 (tests/metal/metal_emulator.py) under test_commit.py's rules (codes identical except at a rounding
 boundary, factors identical except in a flipped matrix that dequantizes the same), the self-check
@@ -15,11 +15,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import metal
-from metal import commit_metal as CM
-from metal.commit import shared_bytes as cuda_shared_bytes
-from metal.commit_metal_source import HEADER, SOURCE
-from metal.paged_decode import minify
+from metal import KERNELS
+from metal.cuda.commit import shared_bytes as cuda_shared_bytes
+from metal.launch import minify
+from metal.msl import commit as CM
+from metal.msl.commit_source import HEADER, SOURCE
+from metal.selector import COMMIT_SELF_CHECK_CODES, COMMIT_SELF_CHECK_FACTORS, CommitKernel, Kernels, \
+    commit_self_check
 from tests.metal import metal_emulator
 from tests.metal import test_commit as TC
 from tests.metal.test_commit import ITERS, make_tiles, reference, windows_holding
@@ -40,7 +42,7 @@ def check(got: dict, keys: mx.array, values: mx.array, kb: int, vb: int):
 
 def emulated(keys: mx.array, values: mx.array, kb: int, vb: int, rows: int = CM.DEFAULT_ROWS,
              slots: mx.array | None = None, **kw) -> dict:
-    """``metal.commit_metal.quantize_tiles`` (with ``slots``: ``quantize_window_tails``) with the
+    """``metal.msl.commit.quantize_tiles`` (with ``slots``: ``quantize_window_tails``) with the
     kernel run by the emulator; outputs start poisoned."""
     call = CM.commit_launch(keys, values, kb, vb, ITERS, rows, slots=slots)
     return {name: mx.array(o) for name, o in zip(CM.RECORD_FIELDS, metal_emulator.run_launch(call, **kw))}
@@ -103,15 +105,15 @@ BROKEN = minify(HEADER.replace("for (int m = L / 2; m > 0; m >>= 1) v = v + simd
 
 @needs_gxx
 def test_emulated_self_check_passes_on_the_body_and_fails_on_a_broken_one():
-    """``metal.commit_self_check`` (what ``commit_path()`` runs on an Apple GPU) with the emulated
-    Metal kernel: past the verdict's thresholds; with a broken butterfly it is below them, so the
+    """``commit_self_check`` (what the selector runs on an Apple GPU) with the emulated Metal
+    kernel: past the verdict's thresholds; with a broken butterfly it is below them, so the
     verdict would be the reference."""
     assert BROKEN != minify(HEADER)
     kw = dict(head_dim=64, tile_size=64, key_bits=4, value_bits=2, iters=ITERS)
-    same, worst = metal.commit_self_check(reference, kernels=_kernels(), **kw)
-    assert same >= metal.COMMIT_SELF_CHECK_CODES and worst <= metal.COMMIT_SELF_CHECK_FACTORS
-    same, worst = metal.commit_self_check(reference, kernels=_kernels(header=BROKEN), **kw)
-    assert same < metal.COMMIT_SELF_CHECK_CODES
+    same, worst = commit_self_check(reference, CommitKernel(*_kernels()), **kw)
+    assert same >= COMMIT_SELF_CHECK_CODES and worst <= COMMIT_SELF_CHECK_FACTORS
+    same, worst = commit_self_check(reference, CommitKernel(*_kernels(header=BROKEN)), **kw)
+    assert same < COMMIT_SELF_CHECK_CODES
 
 
 @needs_gxx
@@ -142,7 +144,7 @@ def test_the_opaque_zero_is_an_input():
 
 
 def test_verdict_off_metal_is_not_metal_fused():
-    path = metal.commit_path(reference=reference, head_dim=64, tile_size=64)
+    path = Kernels().commit_path(reference=reference, head_dim=64, tile_size=64)
     if not HAS_METAL:
         assert path != "metal-fused"
 
@@ -167,7 +169,7 @@ def test_kernel_window_tails():
 
 @needs_metal
 def test_commit_path_on_metal():
-    assert metal.commit_path(reference=reference, head_dim=128, tile_size=128) in ("metal-fused", "reference")
-    same, worst = metal.commit_self_check(reference, head_dim=128, tile_size=128, key_bits=4, value_bits=2,
-                                          iters=ITERS, kernels=(CM.quantize_tiles, CM.quantize_window_tails))
-    assert same >= metal.COMMIT_SELF_CHECK_CODES and worst <= metal.COMMIT_SELF_CHECK_FACTORS
+    assert KERNELS.commit_path(reference=reference, head_dim=128, tile_size=128) in ("metal-fused", "reference")
+    same, worst = commit_self_check(reference, CommitKernel(CM.quantize_tiles, CM.quantize_window_tails),
+                                    head_dim=128, tile_size=128, key_bits=4, value_bits=2, iters=ITERS)
+    assert same >= COMMIT_SELF_CHECK_CODES and worst <= COMMIT_SELF_CHECK_FACTORS

@@ -1,23 +1,28 @@
-"""The fused paged decode attention (metal/paged_decode.py): its reference against a float64 NumPy
-attention, the kernel against the reference (GPU; and its CUDA source run by a CPU emulator), the
-split plan, and the dispatch's verdict."""
+"""The fused paged decode attention (metal/cuda/paged_decode.py): its reference against a float64
+NumPy attention, the kernel against the reference (GPU; and its CUDA source run by a CPU emulator),
+the split plan (metal/paged_plan.py), and the dispatch's verdict."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import metal
-from metal.paged_decode import MAX_SHARED, RowLengths, Variant, make_plan, mma_stages, paged_decode_attention, \
-    plan_splits, reference_paged_decode_attention
-from metal.paged_decode_mma import mma_shared_bytes, mma_supported
+from metal import KERNELS
+from metal.cuda.paged_decode import MAX_SHARED, Variant, mma_stages, paged_decode_attention
+from metal.cuda.paged_decode_mma import mma_shared_bytes, mma_supported
+from metal.paged_plan import RowLengths, make_plan, plan_splits
+from metal.reference import reference_paged_decode_attention
+from metal.selector import Kernels, cuda_backend
 from tests.metal import cuda_emulator
 from tests.metal.cases import make_case, max_rel_error, numpy_attention
 
 HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: the fused kernel runs only there")
 TOL = 1e-2  # max |a - b| / max |b|; float16 rounding of K, V and the output is ~1e-3
+SMS = 132  # the multiprocessors the plan tests aim at (the H200's, where the policy was measured)
 
 # rows around tile boundaries: inside the sink, exactly one sink, one more, full records, a tail of G - 1
 def ragged(G: int) -> list[int]:
@@ -61,7 +66,7 @@ def test_reference_many_rows(num_rows):
 
 def test_plan_covers_every_tile_once():
     num_tiles, tail = [0, 3, 255, 40, 0], [0, 7, 5, 0, 0]
-    work = plan_splits(num_tiles, tail, n_kv_heads=8)
+    work = plan_splits(num_tiles, tail, n_kv_heads=8, num_sms=SMS)
     for b, (n, t) in enumerate(zip(num_tiles, tail)):
         spans = sorted((lo, hi) for row, lo, hi in work if row == b)
         assert spans[0][0] == 0 and spans[-1][1] == 1 + n + (t > 0)
@@ -75,19 +80,21 @@ def test_plan_policy_one_item_a_row_or_about_one_wave_of_splits():
     one wave, one long row too (the H200 measurements behind SINGLE_*: docs/benchmarks.md)."""
     def items(B, T, H=8):
         n, t = (T - 128) // 128, (T - 128) % 128
-        return plan_splits([n] * B, [t] * B, H)
+        return plan_splits([n] * B, [t] * B, H, num_sms=SMS)
     assert len(items(1, 4096)) == 1 and len(items(16, 4096)) == 16  # rows of <= 64 tiles
     assert len(items(1, 16384)) > 40 and len(items(4, 32768)) > 40   # a few long rows: split
     assert len(items(64, 8192)) == 64                                # a wave of row-heads
     work = items(16, 32768)                                          # 128 row-heads of 258 tiles: split
     assert 40 <= len(work) <= 60 and all(hi - lo <= 90 for _, lo, hi in work)
-    assert len(plan_splits([255], [5], 8, single=True)) == 1 and len(plan_splits([255], [5], 8, single=False)) > 1
+    assert len(plan_splits([255], [5], 8, single=True)) == 1
+    assert len(plan_splits([255], [5], 8, num_sms=SMS, single=False)) > 1
 
 
 def test_verdict_on_this_backend():
-    path = metal.attention_path()
+    kernels = Kernels()
+    path = kernels.attention_path()
     assert path in ("cuda-fused", "metal-fused", "reference")
-    assert metal.attention_path() == path  # decided once
+    assert kernels.attention_path() == path  # decided once
     if not HAS_CUDA:
         assert path == "reference"
 
@@ -227,8 +234,8 @@ def test_row_lengths_is_what_the_step_index_carries():
 
 
 def test_the_decided_verdict_is_what_attention_path_said():
-    path = metal.attention_path()
-    assert metal.decided_attention_path() == path
+    path = KERNELS.attention_path()
+    assert KERNELS.decided_attention_path() == path
     from engine import attention_in_force
     assert attention_in_force() == path
 
@@ -243,10 +250,11 @@ def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeyp
     from kvarn.layout import KVLayout
     from kvarn.paged import PagedRow
     from kvarn.pool import KVarNPool
-    assert metal.attention_path() == "cuda-fused"
     calls = []
-    real = pb.paged_decode_attention
-    monkeypatch.setattr(pb, "paged_decode_attention", lambda **kw: calls.append(1) or real(**kw))
+    counting = lambda **kw: calls.append(1) or paged_decode_attention(**kw)  # noqa: E731
+    kernels = Kernels(replace(cuda_backend(), paged_decode=counting))
+    assert kernels.attention_path() == "cuda-fused" and len(calls) == 1  # its self-check
+    monkeypatch.setattr(pb, "KERNELS", kernels)
     rng = np.random.default_rng(5)
     G, H, D = 64, 2, 128
     layout = KVLayout.kvarn("k4v2", tile_size=G)
@@ -272,4 +280,4 @@ def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeyp
             cache.update_and_fetch(k[b: b + 1], v[b: b + 1])
             want = np.array(kvarn_attention(q[b: b + 1], cache, D ** -0.5, None).astype(mx.float32))
             assert max_rel_error(out[b: b + 1], want) < TOL
-    assert len(calls) == 4
+    assert len(calls) == 1 + 4  # the self-check, then one call a step

@@ -1,18 +1,23 @@
-"""The Metal twin of the fused paged decode attention (metal/paged_decode_metal.py): its Metal
+"""The Metal twin of the fused paged decode attention (metal/msl/paged_decode.py): its Metal
 source run by the CPU emulator (tests/metal/metal_emulator.py) against the pure-MLX reference and
 a float64 NumPy attention, the self-check that decides it (passing on the body, failing on a
 broken one), and, on an Apple GPU only, the real kernel against the reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import metal
-from metal import paged_decode_metal as pm
-from metal.paged_decode import make_plan, reference_paged_decode_attention
-from metal.paged_decode_metal_source import ATTENTION_SOURCE
+from metal import KERNELS
+from metal.launch import minify
+from metal.msl import paged_decode as pm
+from metal.msl.paged_decode_source import ATTENTION_SOURCE
+from metal.paged_plan import make_plan
+from metal.reference import reference_paged_decode_attention
+from metal.selector import SELF_CHECK_TOLERANCE, Kernels, metal_backend, paged_decode_self_check
 from tests.metal import metal_emulator
 from tests.metal.cases import make_case, max_rel_error, numpy_attention
 
@@ -114,7 +119,7 @@ V_SWAP = ("kv_code<VB>(vc + gi * VDW, d * VB)", "kv_code<VB>(vc + gi * VDW, (d ^
 def broken(change: tuple[str, str]) -> str:
     body = ATTENTION_SOURCE.replace(*change)
     assert body != ATTENTION_SOURCE
-    return pm.minify(body)
+    return minify(body)
 
 
 @needs_gxx
@@ -129,12 +134,18 @@ def test_emulated_broken_bodies_are_caught(change):
 
 @needs_gxx
 def test_emulated_self_check_passes_on_the_body_and_fails_on_a_broken_one():
-    """``metal._self_check`` (what ``attention_path()`` runs on an Apple GPU) with the emulated
-    Metal body: within the tolerance; with value channels swapped: past it, so the verdict would
-    be the reference. (The self-check's random records are small next to its windows: it passes
-    the two bodies above, 5e-4 and 2e-3 off; the tests on real records are what catch them.)"""
-    assert metal._self_check(_emulated_kernel()) <= metal.SELF_CHECK_TOLERANCE
-    assert metal._self_check(_emulated_kernel(broken(V_SWAP))) > metal.SELF_CHECK_TOLERANCE
+    """The selector on an Apple GPU (``Kernels`` with the Metal backend) with the emulated Metal
+    body: its self-check within the tolerance, the verdict "metal-fused"; with value channels
+    swapped: past it, the verdict the reference. (The self-check's random records are small next
+    to its windows: it passes the two bodies above, 5e-4 and 2e-3 off; the tests on real records
+    are what catch them.)"""
+    good = Kernels(replace(metal_backend(), paged_decode=_emulated_kernel()))
+    assert good.attention_path() == "metal-fused"
+    shape = dict(head_dim=128, tile_size=128, key_bits=4, value_bits=2, n_rep=4)
+    assert good.paged_decode(**shape) is good.backend.paged_decode
+    bad = Kernels(replace(metal_backend(), paged_decode=_emulated_kernel(broken(V_SWAP))))
+    assert bad.attention_path() == "reference" and bad.paged_decode(**shape) is None
+    assert paged_decode_self_check(_emulated_kernel(broken(V_SWAP))) > SELF_CHECK_TOLERANCE
 
 
 @needs_gxx
@@ -144,11 +155,11 @@ def test_emulated_launch_refuses_too_much_threadgroup_memory():
     big = ATTENTION_SOURCE.replace("static_assert(TG * 4 <= 32768", "static_assert(true").replace(
         "threadgroup float tg[TG];", "threadgroup float tg[TG + 8192];")
     with pytest.raises(RuntimeError, match="threadgroup memory"):
-        metal_emulator.emulated_paged_decode_attention(source=pm.minify(big), **case.kwargs())
+        metal_emulator.emulated_paged_decode_attention(source=minify(big), **case.kwargs())
 
 
 def test_verdict_off_metal_is_not_metal_fused():
-    path = metal.attention_path()
+    path = Kernels().attention_path()
     if not HAS_METAL:
         assert path != "metal-fused"
 
@@ -168,5 +179,5 @@ def test_kernel_matches_reference(D, G, kb, vb, n_rep):
 
 @needs_metal
 def test_metal_verdict():
-    assert metal.attention_path() in ("metal-fused", "reference")
-    assert metal._self_check(pm.paged_decode_attention) <= metal.SELF_CHECK_TOLERANCE
+    assert KERNELS.attention_path() in ("metal-fused", "reference")
+    assert paged_decode_self_check(pm.paged_decode_attention) <= SELF_CHECK_TOLERANCE

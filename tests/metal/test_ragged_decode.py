@@ -1,4 +1,4 @@
-"""The fused ragged decode attention of the fp16 baseline (metal/ragged_decode.py): its reference
+"""The fused ragged decode attention of the fp16 baseline (metal/cuda/ragged_decode.py): its reference
 against a float64 NumPy attention, the split plan, the kernels' CUDA source run by the CPU emulator
 against float64, the kernel against the reference (GPU only), and the dispatch's verdict."""
 
@@ -8,9 +8,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import metal
-from metal.ragged_decode import MIN_SPLIT, NUM_SMS, RESIDENT_BLOCKS, SINGLE_MAX_ROW_HEADS, SPLIT_ALIGN, TARGET_WAVES, \
-    check_arguments, is_supported, make_plan, plan_splits, ragged_decode_attention, reference_ragged_decode_attention
+from metal import KERNELS
+from metal.cuda.ragged_decode import MIN_SPLIT, RESIDENT_BLOCKS, SINGLE_MAX_ROW_HEADS, SPLIT_ALIGN, TARGET_WAVES, \
+    check_arguments, is_supported, make_plan, plan_splits, ragged_decode_attention
+from metal.reference import reference_ragged_decode_attention
+from metal.selector import SELF_CHECK_TOLERANCE, Kernels, ragged_decode_self_check
 from tests.metal import cuda_emulator
 
 HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
@@ -19,6 +21,7 @@ needs_gxx = pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for
 TOL = 1e-2  # max |a - b| / max |b|; float16 output rounding is ~5e-4, bfloat16 ~4e-3
 RAGGED = [1, 7, 127, 128, 129, 1000, 2, 300]
 F16, BF16 = mx.float16, mx.bfloat16
+SMS = 132  # the multiprocessors the plan tests aim at (the H200's, where the policy was measured)
 
 
 def make_case(lengths, *, n_kv_heads=2, n_rep=4, head_dim=128, dtype=F16, kv_dtype=F16, t_cap=None, seed=0,
@@ -133,28 +136,30 @@ def test_plan_policy():
     """Rows of a few hundred tokens stay one item; a batch that fills TARGET_WAVES waves at one
     item a row is one launch (FINAL); else items of about the batch's tokens x heads / the waves,
     never much below MIN_SPLIT, edges aligned, about TARGET_WAVES..2 x TARGET_WAVES waves of blocks."""
-    wave = NUM_SMS * RESIDENT_BLOCKS
-    assert len(plan_splits([2 * MIN_SPLIT - 1], 8)) == 1 and len(plan_splits([300, 5, 77], 8)) == 3
-    assert len(plan_splits([2 * MIN_SPLIT] * 17, 8)) == 34  # past SINGLE_MAX_ROW_HEADS: split
-    assert make_plan(range(128), [1000] * 128, 8).final  # 1024 row-heads of 1000 tokens: one launch
+    wave = SMS * RESIDENT_BLOCKS
+    assert len(plan_splits([2 * MIN_SPLIT - 1], 8, num_sms=SMS)) == 1
+    assert len(plan_splits([300, 5, 77], 8, num_sms=SMS)) == 3
+    assert len(plan_splits([2 * MIN_SPLIT] * 17, 8, num_sms=SMS)) == 34  # past SINGLE_MAX_ROW_HEADS: split
+    assert make_plan(range(128), [1000] * 128, 8, num_sms=SMS).final  # 1024 row-heads of 1000 tokens: one launch
     for B, T in [(1, 4096), (1, 16384), (16, 4096)]:  # few row-heads, rows of <= SINGLE_MAX_TOKENS: one launch
-        assert B * 8 <= SINGLE_MAX_ROW_HEADS and len(plan_splits([T] * B, 8)) == B
+        assert B * 8 <= SINGLE_MAX_ROW_HEADS and len(plan_splits([T] * B, 8, num_sms=SMS)) == B
     for B, T in [(32, 4096), (32, 16384), (16, 32768), (64, 8192)]:
-        work = plan_splits([T] * B, 8)
+        work = plan_splits([T] * B, 8, num_sms=SMS)
         assert TARGET_WAVES * wave * 0.95 <= _blocks(work) <= 2 * TARGET_WAVES * wave, (B, T, len(work))
-    work = plan_splits([70 * MIN_SPLIT], 8)  # a row past SINGLE_MAX_TOKENS; MIN_SPLIT binds: as many splits as it allows
+    # a row past SINGLE_MAX_TOKENS; MIN_SPLIT binds: as many splits as it allows
+    work = plan_splits([70 * MIN_SPLIT], 8, num_sms=SMS)
     assert len(work) == 70
     ragged = [int(n) for n in np.linspace(1000, 16000, 32)]
-    work = plan_splits(ragged, 8)
+    work = plan_splits(ragged, 8, num_sms=SMS)
     per = np.ceil(sum(ragged) * 8 / (TARGET_WAVES * wave))
     sizes = [hi - lo for _, lo, hi in work]
     assert max(sizes) <= per + SPLIT_ALIGN and min(sizes) >= MIN_SPLIT - SPLIT_ALIGN
     assert _blocks(work) >= TARGET_WAVES * wave * 0.95
     for lengths in ([70000, 3], ragged, [4096] * 16):
-        for b, lo, hi in plan_splits(lengths, 8):
+        for b, lo, hi in plan_splits(lengths, 8, num_sms=SMS):
             assert lo % SPLIT_ALIGN == 0 and (hi % SPLIT_ALIGN == 0 or hi == lengths[b])
-    assert len(plan_splits([16384], 8, single=True)) == 1
-    assert len(plan_splits([16384] * 64, 8, single=False)) == 64 * 16384 // MIN_SPLIT
+    assert len(plan_splits([16384], 8, num_sms=SMS, single=True)) == 1
+    assert len(plan_splits([16384] * 64, 8, num_sms=SMS, single=False)) == 64 * 16384 // MIN_SPLIT
 
 
 def test_plan_and_arguments_are_checked():
@@ -185,9 +190,10 @@ def test_is_supported():
 
 # ---- the dispatch ----
 def test_verdict_on_this_backend():
-    path = metal.ragged_decode_path()
+    kernels = Kernels()
+    path = kernels.ragged_decode_path()
     assert path in ("cuda-fused", "reference")
-    assert metal.ragged_decode_path() == path and metal.decided_ragged_decode_path() == path  # decided once
+    assert kernels.ragged_decode_path() == path and kernels.decided_ragged_decode_path() == path  # decided once
     if not HAS_CUDA:
         assert path == "reference"
 
@@ -279,5 +285,5 @@ def test_kernel_sees_a_wrong_slot():
 
 @needs_cuda
 def test_verdict_is_the_kernel_on_cuda():
-    assert metal.ragged_decode_path() == "cuda-fused"
-    assert metal.ragged_self_check() < metal.SELF_CHECK_TOLERANCE
+    assert KERNELS.ragged_decode_path() == "cuda-fused"
+    assert ragged_decode_self_check(ragged_decode_attention, make_plan) < SELF_CHECK_TOLERANCE

@@ -1,7 +1,7 @@
-"""The CUDA source of the fused tile commit (``metal.commit``): a shared header and the kernel body,
+"""The CUDA source of the fused tile commit (``metal.cuda.commit``): a shared header and the kernel body,
 as ``mx.fast.cuda_kernel`` takes them (MLX writes the signature from the input and output names
 and the template arguments). The algorithm and why each reduction runs in the order it does are
-in ``metal/commit.py`` and docs/kernels.md.
+in ``metal/cuda/commit.py`` and docs/kernels.md.
 
 One block quantizes one matrix: K or V (blockIdx.y) of one tile, head and 128-channel slice
 (blockIdx.x = (tile * H + head) * S + slice). The matrix M is R x C (K: channels x tokens, V:

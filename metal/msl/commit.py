@@ -1,21 +1,21 @@
 """Fused KVarN tile commit on Apple GPUs (``mx.fast.metal_kernel``): the Metal twin of
-``metal.commit`` (the whole quantizer of docs/kvarn.md for every tile given,
+``metal.cuda.commit`` (the whole quantizer of docs/kvarn.md for every tile given,
 all heads, K and V, in one launch), with the CUDA wrappers' signatures and outputs:
 ``quantize_tiles(keys=, values=, ...)`` over tiles [n, H, G, D] and ``quantize_window_tails(win_k=,
 win_v=, slots=, ...)`` over the tails of a pool's float16 windows, read in place. Output: the
-block-major record fields of ``kvarn/pool.py`` (``metal.commit.output_shapes``).
+block-major record fields of ``kvarn/pool.py`` (``metal.records.output_shapes``).
 
 Limits it is written to (Apple GPUs): one threadgroup per matrix, of G * W / (4 * ROWS) threads:
 512 at G = W = 128 with the default 8 rows a thread (the CUDA kernel's 4 rows
 would be 1,024, Metal's maximum, reachable only if the compiled kernel's registers allow it);
 19,072 bytes of threadgroup memory at G = W = 128 (of 32 KB: ``threadgroup_bytes``); 32-lane
-simdgroups. ``metal/commit_metal_source.py`` says what differs from the CUDA kernel and how the
+simdgroups. ``metal/msl/commit_source.py`` says what differs from the CUDA kernel and how the
 code keeps the compiler from contracting products into fused multiply-adds.
 
 **What was verified where** (docs/kernels.md, "Metal twins"): the Metal text run by a g++ emulator
 of the Metal execution model on Linux CPUs (``tests/metal/metal_emulator.py``) against
 ``kvarn.pool.quantize_blocks_reference``; never compiled by Apple's Metal compiler on this
-project's machines. On an Apple GPU ``metal.commit_path()`` compiles it and checks it against
+project's machines. On an Apple GPU the selector (``metal.selector.Kernels``) compiles it and checks it against
 the pure-MLX quantizer per layout, and falls back to that quantizer if the check fails.
 """
 
@@ -25,11 +25,11 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from metal.commit import RECORD_FIELDS, _no_slots, output_shapes
-from metal.commit_metal_source import HEADER, SOURCE
-from metal.paged_decode import minify
-from metal.paged_decode_metal import COMPILE_OPTIONS, MAX_THREADGROUP_MEMORY, MetalLaunch
-from metal.paged_decode_metal import run as _run
+from metal.launch import minify, no_slots
+from metal.msl.commit_source import HEADER, SOURCE
+from metal.msl.paged_decode import MAX_THREADGROUP_MEMORY, MetalLaunch
+from metal.msl.paged_decode import run as _run
+from metal.records import RECORD_FIELDS, output_shapes
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -58,18 +58,11 @@ def is_supported(*, head_dim: int, tile_size: int, key_bits: int, value_bits: in
             and threadgroup_bytes(head_dim, tile_size) <= MAX_THREADGROUP_MEMORY)
 
 
-_BITS: dict[tuple[int, int], mx.array] = {}
-
-
+@lru_cache(maxsize=64)
 def _bits(key_bits: int, value_bits: int) -> mx.array:
     """The kernel's bits input: [key_bits, value_bits, 0]; the 0 is the opaque zero of ``kc_mul``
     (it must come from outside the kernel, where no compiler can see it)."""
-    key = (key_bits, value_bits)
-    if key not in _BITS:
-        _BITS[key] = mx.array([key_bits, value_bits, 0], dtype=mx.int32)
-    return _BITS[key]
-
-
+    return mx.array([key_bits, value_bits, 0], dtype=mx.int32)
 
 
 @lru_cache(maxsize=256)
@@ -97,7 +90,7 @@ def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: i
     return MetalLaunch(name="kvarn_commit", header=KERNEL_TEXT[0], source=KERNEL_TEXT[1], input_names=INPUTS,
                        output_names=list(RECORD_FIELDS),
                        inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits),
-                               _no_slots() if slots is None else slots.astype(mx.int32)],
+                               no_slots() if slots is None else slots.astype(mx.int32)],
                        template=list(template), grid=grid, threadgroup=tg, output_shapes=list(shapes),
                        output_dtypes=list(dtypes))
 
@@ -110,7 +103,7 @@ def _check(D: int, G: int, key_bits: int, value_bits: int, rows: int) -> None:
 
 def quantize_tiles(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int = 8,
                    rows: int = DEFAULT_ROWS) -> dict[str, mx.array]:
-    """``metal.commit.quantize_tiles`` on an Apple GPU: rotated float16 tiles [n, H, G, D] -> n
+    """``metal.cuda.commit.quantize_tiles`` on an Apple GPU: rotated float16 tiles [n, H, G, D] -> n
     blocks of record fields. ``rows``: 8 or 4 rows a thread (512 or 1,024 threads at G = W = 128)."""
     n, H, G, D = keys.shape
     if values.shape != keys.shape:
@@ -124,7 +117,7 @@ def quantize_tiles(*, keys: mx.array, values: mx.array, key_bits: int, value_bit
 
 def quantize_window_tails(*, win_k: mx.array, win_v: mx.array, slots: mx.array, key_bits: int, value_bits: int,
                           iters: int = 8, rows: int = DEFAULT_ROWS) -> dict[str, mx.array]:
-    """``metal.commit.quantize_window_tails`` on an Apple GPU: ``quantize_tiles`` of the tails of
+    """``metal.cuda.commit.quantize_window_tails`` on an Apple GPU: ``quantize_tiles`` of the tails of
     windows ``slots`` ([n] int32) of float16 window buffers [Nw, H, 2G, D], read in place."""
     _, H, G2, D = win_k.shape
     G = G2 // 2

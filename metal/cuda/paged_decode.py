@@ -6,7 +6,8 @@ dequantized in registers, online softmax in float32, the n_q/H query heads of a 
 one block so each tile is read once per KV head. A second tiny launch combines the splits and
 rotates back. Design notes: docs/kernels.md.
 
-A row's tiles, in sequence order, and how the work list cuts them into splits::
+A row's tiles, in sequence order, and how the work list cuts them into splits (the plan is
+``metal.paged_plan``'s, shared with the Metal twin)::
 
     tile  0      1 .. nt                 nt+1 (only if tail_len > 0)
           sink | record table[b][0] ... | tail
@@ -21,32 +22,22 @@ likewise: o[d] += c[d] * (sum_g (p[g] v_alpha[g]) code[g, d] + sum_g p[g] v_beta
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from metal.paged_decode_mma import MMA_HEADER, MMA_SOURCE, mma_shared_bytes, mma_supported
-from metal.paged_decode_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
+from metal.cuda.paged_decode_mma import MMA_HEADER, MMA_SOURCE, mma_shared_bytes, mma_supported
+from metal.cuda.paged_decode_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
+from metal.launch import minify, scalar_inputs
+from metal.paged_plan import SCALAR_BLOCKS_PER_SM, DecodePlan, RowLengths, make_plan
+from metal.records import RECORD_FIELDS
 
 NUM_THREADS = 128  # one block: 4 warps
-NUM_SMS = 132  # H200; the split policy aims at a few blocks per multiprocessor
-BLOCKS_PER_SM = 3  # the tensor-core body's resident blocks (58.7 KB of shared memory each at k4v2): one wave of splits
-SCALAR_BLOCKS_PER_SM = 16  # the scalar body's split target (measured on the H200: 4 left the multiprocessors idle)
-# one work item a row (one launch, no combine) when rows x KV heads fill a wave of blocks, or when no row has
-# more tiles than SINGLE_MAX_TILES (the best of both plans at each shape measured on the H200: docs/benchmarks.md,
-# "Kernels"). A few long rows are split: the kernel benchmark favoured one item a row for <= 32 row-heads
-# (1 x 32k: 0.054 vs 0.073 ms), but through the engine one 16k row decoded in 11.8 ms a step split against
-# 18.5 ms as one item (8B shape, same place): 8 blocks streaming 130 tiles each left the GPU waiting
-SINGLE_MIN_BLOCKS = BLOCKS_PER_SM * NUM_SMS
-SINGLE_MAX_TILES = 64
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_TILE_SIZES = (64, 128)
 MAX_REP = 8  # query heads per KV head folded into one block
 MAX_SHARED = 227 * 1024  # dynamic shared memory one block may have (Hopper)
-RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
 
 ATTENTION_INPUTS = ["queries", "win_k", "win_v", *RECORD_FIELDS, "table", "rows", "work", "meta", "meta_f"]
 ATTENTION_OUTPUTS = ["part_o", "part_ml"]
@@ -79,113 +70,20 @@ class Variant:
 
 
 DEFAULT_VARIANT = Variant()
-_KERNELS: dict[tuple, object] = {}
 
 
-def _kernel(name: str, header: str, source: str, input_names: list[str], output_names: list[str], smem: int):
-    key = (name, smem)
-    if key not in _KERNELS:
-        _KERNELS[key] = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                                            source=source, header=header, shared_memory=smem)
-    return _KERNELS[key]
-
-
-_META: dict[tuple[int, float], tuple[mx.array, mx.array]] = {}
-
-
-def _meta(nb: int, scale: float) -> tuple[mx.array, mx.array]:
-    """A kernel's two scalar inputs (an int: the table width here, T_cap for ``metal.ragged_decode``;
-    the softmax scale), made once per value."""
-    key = (nb, float(scale))
-    if key not in _META:
-        if len(_META) > 256:
-            _META.clear()
-        _META[key] = (mx.array([nb], dtype=mx.int32), mx.array([scale], dtype=mx.float32))
-    return _META[key]
-
-
-@dataclass(frozen=True)
-class RowLengths:
-    """Per-row host ints of one decode step: window ``slots``, ``sink_len`` (<= G), ``tail_len``
-    (< G) and ``num_tiles`` (records); row b attends sink_len + num_tiles*G + tail_len tokens."""
-
-    slots: tuple[int, ...]
-    sink_len: tuple[int, ...]
-    tail_len: tuple[int, ...]
-    num_tiles: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """One step's split of every row's tiles into work items (host lists and their device arrays).
-
-    ``work`` [num_items, 3]: (row, first tile, end tile); ``row_work`` [B + 1]: row b's items are
-    ``row_work[b]:row_work[b+1]``; ``rows`` [B, 4]: (window slot, sink_len, tail_len, num_tiles)."""
-
-    work: mx.array
-    row_work: mx.array
-    rows: mx.array
-    num_items: int
-    memo: dict = field(default_factory=dict, compare=False)  # the scalar body's own plan, made once
-
-
-def plan_splits(num_tiles: Sequence[int], tail_len: Sequence[int], n_kv_heads: int,
-                num_sms: int = NUM_SMS, blocks_per_sm: int = BLOCKS_PER_SM,
-                min_split: int = 1, single: bool | None = None) -> list[tuple[int, int, int]]:
-    """Cut each row's tiles (sink, records, tail if non-empty) into work items.
-
-    ``single`` (None: when rows x KV heads >= SINGLE_MIN_BLOCKS, or no row has more than
-    SINGLE_MAX_TILES tiles): one item a row, so the attention launch writes the output itself.
-    Else splits of about the same size: the batch's tiles over about blocks_per_sm x num_sms blocks,
-    so one long row, many short rows and a mix all fill the GPU; a row gets round(its tiles / split
-    size) splits, at least one (splits of at least ``min_split`` tiles)."""
-    counts = [1 + n + (t > 0) for n, t in zip(num_tiles, tail_len)]
-    if single is None:
-        blocks = len(counts) * n_kv_heads
-        single = blocks >= SINGLE_MIN_BLOCKS or max(counts, default=0) <= SINGLE_MAX_TILES
-    if single:
-        return [(b, 0, c) for b, c in enumerate(counts)]
-    target_items = max(1, (blocks_per_sm * num_sms) // max(1, n_kv_heads))
-    per_split = max(1, min_split, math.ceil(sum(counts) / target_items))
-    work = []
-    for b, count in enumerate(counts):
-        n = max(1, min(count, round(count / per_split)))
-        edges = [count * i // n for i in range(n + 1)]
-        work.extend((b, lo, hi) for lo, hi in zip(edges, edges[1:]))
-    return work
-
-
-def make_plan(slots: Sequence[int], sink_len: Sequence[int], tail_len: Sequence[int],
-              num_tiles: Sequence[int], n_kv_heads: int, blocks_per_sm: int = BLOCKS_PER_SM,
-              min_split: int = 1, single: bool | None = None) -> DecodePlan:
-    work = plan_splits(num_tiles, tail_len, n_kv_heads, blocks_per_sm=blocks_per_sm, min_split=min_split,
-                       single=single)
-    row_work = [0] * (len(slots) + 1)
-    for b, _, _ in work:
-        row_work[b + 1] += 1
-    for b in range(len(slots)):
-        row_work[b + 1] += row_work[b]
-    i32 = mx.int32
-    return DecodePlan(work=mx.array(work, dtype=i32).reshape(-1, 3), row_work=mx.array(row_work, dtype=i32),
-                      rows=mx.array(list(zip(slots, sink_len, tail_len, num_tiles)), dtype=i32).reshape(-1, 4),
-                      num_items=len(work))
+@functools.cache
+def _kernel(name: str, header: str, source: str, input_names: tuple[str, ...], output_names: tuple[str, ...],
+            smem: int):
+    """The compiled kernel of one text and shared-memory size (MLX caches the templates under it)."""
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
+                               source=source, header=header, shared_memory=smem)
 
 
 def is_supported(*, head_dim: int, tile_size: int, key_bits: int, value_bits: int, n_rep: int) -> bool:
     """Whether the kernel has a template for this shape (else callers use the reference)."""
     return (head_dim in SUPPORTED_HEAD_DIMS and tile_size in SUPPORTED_TILE_SIZES and key_bits in SUPPORTED_BITS
             and value_bits in SUPPORTED_BITS and 1 <= n_rep <= MAX_REP)
-
-
-def minify(source: str) -> str:
-    """The CUDA text without comments, indentation and blank lines (MLX rebuilds and hashes the
-    kernel's whole text on every call: the per-call host cost grows with its length)."""
-    lines = []
-    for line in source.splitlines():
-        line = line.split("//", 1)[0].strip()
-        if line:
-            lines.append(line)
-    return "\n".join(lines) + "\n"
 
 
 _MMA_TEXT = (minify(HEADER + MMA_HEADER), minify(MMA_SOURCE))
@@ -253,7 +151,7 @@ def attention_launch(queries: mx.array, records: dict[str, mx.array], win_k: mx.
                                                           plan.num_items == B)
     outputs = ([(B, n_q, D), (1,)], [queries.dtype, mx.float32]) if final else \
         ([(plan.num_items, H, NR, D), (plan.num_items, H, NR, 2)], [mx.float32, mx.float32])
-    nb_arr, scale_arr = _meta(table.shape[1], scale)
+    nb_arr, scale_arr = scalar_inputs(table.shape[1], float(scale))
     return Launch(
         name=name, final=final, header=text[0], source=text[1], input_names=ATTENTION_INPUTS,
         output_names=ATTENTION_OUTPUTS, shared_memory=smem,
@@ -274,7 +172,8 @@ def combine_launch(part_o: mx.array, part_ml: mx.array, plan: DecodePlan, querie
 
 
 def _run(call: Launch) -> list[mx.array]:
-    kernel = _kernel(call.name, call.header, call.source, call.input_names, call.output_names, call.shared_memory)
+    kernel = _kernel(call.name, call.header, call.source, tuple(call.input_names), tuple(call.output_names),
+                     call.shared_memory)
     return kernel(inputs=call.inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
                   output_shapes=call.output_shapes, output_dtypes=call.output_dtypes)
 
@@ -289,8 +188,9 @@ def paged_decode_attention(*, queries: mx.array, records: dict[str, mx.array], w
     ``records``: one layer's record fields (``kvarn/pool.py`` shapes, block-major), ``win_k``/
     ``win_v`` [Nw, H, 2G, D]; ``table`` [B, nb] (pad-filled; None if no row has records);
     ``lengths``: per-row window slot, sink and tail lengths and record counts (host ints).
-    ``plan``: the step's split plan (``make_plan``; built here when not given); ``variant``: which
-    body (the tensor-core one where it has the shape, else the scalar one) and its knobs."""
+    ``plan``: the step's split plan (``metal.paged_plan.make_plan``; built here when not given);
+    ``variant``: which body (the tensor-core one where it has the shape, else the scalar one) and
+    its knobs."""
     B, n_q, _, D = queries.shape
     H = win_k.shape[1]
     if plan is None:
@@ -308,51 +208,3 @@ def paged_decode_attention(*, queries: mx.array, records: dict[str, mx.array], w
         return part_o.reshape(B, n_q, 1, D)
     (out,) = _run(combine_launch(part_o, part_ml, plan, queries))
     return out.reshape(B, n_q, 1, D)
-
-
-def _hadamard(x: mx.array) -> mx.array:
-    """x @ H along the last axis, block-diagonal over 128-channel slices (``kvarn.quantize.rotate``)."""
-    D = x.shape[-1]
-    if D <= 128:
-        return mx.hadamard_transform(x)
-    return mx.hadamard_transform(x.reshape(*x.shape[:-1], D // 128, 128)).reshape(x.shape)
-
-
-def _dequantize(fields: dict[str, mx.array], G: int, key_bits: int, value_bits: int,
-                dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """Gathered record fields [B, nb, H, ...] -> rotated keys and values [B, H, nb*G, D]
-    (``kvarn.pool.dequantize_blocks``, restated here: metal/ imports nothing of kvarn)."""
-    B, nb, H, S, W, _ = fields["k_codes"].shape
-    k = mx.dequantize(fields["k_codes"], fields["k_alpha"][..., None].astype(dtype),
-                      fields["k_beta"][..., None].astype(dtype), group_size=G, bits=key_bits)
-    k = (k * fields["k_r"][..., None, :].astype(dtype)).transpose(0, 2, 1, 5, 3, 4).reshape(B, H, nb * G, S * W)
-    v = mx.dequantize(fields["v_codes"], fields["v_alpha"].astype(dtype), fields["v_beta"].astype(dtype),
-                      group_size=W, bits=value_bits)
-    v = (v * fields["v_c"][:, :, :, None, :].astype(dtype)).transpose(0, 2, 1, 3, 4).reshape(B, H, nb * G, S * W)
-    return k, v
-
-
-def reference_paged_decode_attention(*, queries: mx.array, records: dict[str, mx.array], win_k: mx.array,
-                                     win_v: mx.array, table: mx.array | None, lengths: RowLengths, scale: float,
-                                     key_bits: int, value_bits: int, plan: DecodePlan | None = None,
-                                     variant: Variant = DEFAULT_VARIANT) -> mx.array:
-    """The pure-MLX twin of ``paged_decode_attention`` (``plan`` and ``variant`` are ignored): the windows and the
-    gathered, dequantized records as one operand, one SDPA under the rows' validity mask, in float16
-    (float32 where the queries are float32), the gather+dequantize+SDPA path of
-    ``kvarn.paged_batch``."""
-    G = win_k.shape[2] // 2
-    dtype = mx.float32 if queries.dtype == mx.float32 else mx.float16
-    slots = mx.array(lengths.slots, dtype=mx.int32)
-    keys, vals = win_k[slots].astype(dtype), win_v[slots].astype(dtype)
-    i32 = mx.int32
-    sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (lengths.sink_len, lengths.tail_len, lengths.num_tiles))
-    w = mx.arange(2 * G, dtype=i32)[None]
-    mask = (w < sl) | ((w >= G) & (w < G + tl))
-    if table is not None:
-        fields = {name: records[name][table] for name in RECORD_FIELDS}
-        rec_k, rec_v = _dequantize(fields, G, key_bits, value_bits, dtype)
-        keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
-        mask = mx.concatenate([mask, (mx.arange(table.shape[1] * G, dtype=i32)[None] // G) < nt], axis=1)
-    q = _hadamard(queries.astype(mx.float32)).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask[:, None, None, :])
-    return _hadamard(out.astype(mx.float32)).astype(queries.dtype)

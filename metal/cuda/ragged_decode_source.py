@@ -1,8 +1,8 @@
-"""The CUDA source of the fused ragged fp16/bf16 decode attention (``metal.ragged_decode``): a small
+"""The CUDA source of the fused ragged fp16/bf16 decode attention (``metal.cuda.ragged_decode``): a small
 header, the split-K attention kernel body and the combine kernel body, as ``mx.fast.cuda_kernel``
 takes them (bodies only: MLX writes the signature from the input and output names and the template
 arguments QT, KT, D, NR, FINAL). The layout and the algorithm are described in
-``metal/ragged_decode.py`` and docs/kernels.md.
+``metal/cuda/ragged_decode.py`` and docs/kernels.md.
 
 Thread layout of one block (one work item x one KV head, 128 threads = 4 warps)::
 

@@ -34,8 +34,9 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from metal.commit_source import HEADER, SOURCE
-from metal.paged_decode import minify
+from metal.cuda.commit_source import HEADER, SOURCE
+from metal.launch import minify, no_slots
+from metal.records import RECORD_FIELDS, output_shapes
 
 log = logging.getLogger(__name__)
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
@@ -43,9 +44,6 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_TILE_SIZES = (64, 128)
 DEFAULT_ROWS = 4  # rows a thread holds: 1,024 threads a block at G = W = 128 (H200, 32 tiles of one layer:
                   # 0.40 ms against 0.51 at 8 rows; 1 tile: 0.056 against 0.063 ms; bench/commit_cost.py)
-RECIPROCAL_DIVISION = 1  # MK: the kernel divides through reciprocals (kc_divr: the same IEEE quotients, fewer
-                         # instructions); 0: __fdiv_rn as before (bench/commit_cost.py times both)
-RECORD_FIELDS = ("k_codes", "k_alpha", "k_beta", "k_r", "v_codes", "v_alpha", "v_beta", "v_c")
 INPUTS = ["keys", "values", "bits", "slots"]
 
 
@@ -66,14 +64,6 @@ def is_supported(*, head_dim: int, tile_size: int, key_bits: int, value_bits: in
             and value_bits in SUPPORTED_BITS)
 
 
-def output_shapes(n: int, H: int, G: int, D: int, key_bits: int, value_bits: int) -> dict[str, tuple[int, ...]]:
-    W = min(D, 128)
-    S = D // W
-    return {"k_codes": (n, H, S, W, G * key_bits // 32), "k_alpha": (n, H, S, W), "k_beta": (n, H, S, W),
-            "k_r": (n, H, S, G), "v_codes": (n, H, G, D * value_bits // 32), "v_alpha": (n, H, G, S),
-            "v_beta": (n, H, G, S), "v_c": (n, H, D)}
-
-
 @dataclass(frozen=True)
 class Launch:
     """One kernel call's arguments, as ``mx.fast.cuda_kernel`` takes them (also what the tests'
@@ -87,42 +77,29 @@ class Launch:
     output_dtypes: list
 
 
-_BITS: dict[tuple[int, int], mx.array] = {}
-
-
+@lru_cache(maxsize=64)
 def _bits(key_bits: int, value_bits: int) -> mx.array:
     """The kernel's bits input, made once per layout (not one array from host data per layer of
     every step that commits)."""
-    key = (key_bits, value_bits)
-    if key not in _BITS:
-        _BITS[key] = mx.array([key_bits, value_bits], dtype=mx.int32)
-    return _BITS[key]
-
-
-_NO_SLOTS: list[mx.array] = []
-
-
-def _no_slots() -> mx.array:
-    """The ``slots`` input of a launch over tiles given as such (the kernel does not read it)."""
-    if not _NO_SLOTS:
-        _NO_SLOTS.append(mx.zeros((1,), dtype=mx.int32))
-    return _NO_SLOTS[0]
+    return mx.array([key_bits, value_bits], dtype=mx.int32)
 
 
 def commit_launch(keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int,
-                  rows: int = DEFAULT_ROWS, slots: mx.array | None = None) -> Launch:
+                  rows: int = DEFAULT_ROWS, slots: mx.array | None = None, *, reciprocal: bool = True) -> Launch:
     """The launch for tiles ``keys``/``values`` [n, H, G, D], or, with ``slots`` ([n] int32), for
     the tails of those windows of window buffers ``keys``/``values`` [Nw, H, 2G, D] (read in
-    place: template WIN = 1)."""
+    place: template WIN = 1). ``reciprocal`` (template MK): divide through reciprocals (``kc_divr``:
+    the same IEEE quotients in fewer instructions); False: ``__fdiv_rn`` (``bench/commit_cost.py``
+    times both)."""
     if slots is None:
         n, H, G, D = keys.shape
     else:
         (n,), (_, H, G2, D) = slots.shape, keys.shape
         G = G2 // 2
     template, grid, threadgroup, shapes, dtypes = _launch_shape(n, H, G, D, key_bits, value_bits, iters, rows,
-                                                                slots is not None, RECIPROCAL_DIVISION)
+                                                                slots is not None, int(reciprocal))
     return Launch(inputs=[keys.astype(mx.float16), values.astype(mx.float16), _bits(key_bits, value_bits),
-                          _no_slots() if slots is None else slots],
+                          no_slots() if slots is None else slots],
                   template=list(template), grid=grid, threadgroup=threadgroup, output_shapes=list(shapes),
                   output_dtypes=list(dtypes))
 
@@ -141,24 +118,22 @@ def _launch_shape(n: int, H: int, G: int, D: int, key_bits: int, value_bits: int
             tuple(shapes[name] for name in RECORD_FIELDS), dtypes)
 
 
-_KERNELS: dict[int, object] = {}
 KERNEL_TEXT = (minify(HEADER), minify(SOURCE))  # what is compiled: MLX rehashes the text at every call
 
 
+@lru_cache(maxsize=None)
 def _kernel(smem: int):
-    if smem not in _KERNELS:
-        _KERNELS[smem] = mx.fast.cuda_kernel(name=f"kvarn_commit_{smem}", input_names=INPUTS,
-                                             output_names=list(RECORD_FIELDS), source=KERNEL_TEXT[1],
-                                             header=KERNEL_TEXT[0],
-                                             shared_memory=smem)
-    return _KERNELS[smem]
+    """The compiled kernel of one shared-memory size (MLX caches the templates under it)."""
+    return mx.fast.cuda_kernel(name=f"kvarn_commit_{smem}", input_names=INPUTS, output_names=list(RECORD_FIELDS),
+                               source=KERNEL_TEXT[1], header=KERNEL_TEXT[0], shared_memory=smem)
 
 
 def quantize_tiles(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: int, iters: int = 8,
-                   rows: int = DEFAULT_ROWS) -> dict[str, mx.array]:
+                   rows: int = DEFAULT_ROWS, reciprocal: bool = True) -> dict[str, mx.array]:
     """Quantize rotated float16 tiles [n, H, G, D] into n blocks of record fields (the module
     docstring's shapes), the same bytes as ``kvarn.pool.quantize_blocks_reference`` with a layout
-    of these bits, tile size G and ``iters``. ``rows``: 4 or 8 rows a thread (a speed knob only)."""
+    of these bits, tile size G and ``iters``. ``rows``: 4 or 8 rows a thread; ``reciprocal``: how
+    the kernel divides (``commit_launch``); both speed knobs only."""
     n, H, G, D = keys.shape
     if values.shape != keys.shape:
         raise ValueError(f"keys {keys.shape} and values {values.shape} differ")
@@ -168,11 +143,12 @@ def quantize_tiles(*, keys: mx.array, values: mx.array, key_bits: int, value_bit
         return {name: mx.zeros(shape, dtype) for (name, shape), dtype in zip(
             output_shapes(0, H, G, D, key_bits, value_bits).items(),
             [mx.uint32 if f.endswith("codes") else mx.float16 for f in RECORD_FIELDS])}
-    return _launch(commit_launch(keys, values, key_bits, value_bits, iters, rows), D, G)
+    call = commit_launch(keys, values, key_bits, value_bits, iters, rows, reciprocal=reciprocal)
+    return _launch(call, D, G, (key_bits, value_bits))
 
 
 def quantize_window_tails(*, win_k: mx.array, win_v: mx.array, slots: mx.array, key_bits: int, value_bits: int,
-                          iters: int = 8, rows: int = DEFAULT_ROWS) -> dict[str, mx.array]:
+                          iters: int = 8, rows: int = DEFAULT_ROWS, reciprocal: bool = True) -> dict[str, mx.array]:
     """``quantize_tiles`` of the tails of windows ``slots`` ([n] int32) of a pool's float16 window
     buffers ``win_k``/``win_v`` [Nw, H, 2G, D] (a window is [sink: G tokens | tail: G tokens]),
     read in place: a decode step's commit with no gather or copy of the tiles. The same bytes as
@@ -184,39 +160,37 @@ def quantize_window_tails(*, win_k: mx.array, win_v: mx.array, slots: mx.array, 
                          "need two float16 [Nw, H, 2G, D]")
     if not is_supported(head_dim=D, tile_size=G, key_bits=key_bits, value_bits=value_bits):
         raise ValueError(f"no commit kernel for head_dim {D}, tile {G}, bits k{key_bits}v{value_bits}")
-    return _launch(commit_launch(win_k, win_v, key_bits, value_bits, iters, rows, slots=slots), D, G)
+    call = commit_launch(win_k, win_v, key_bits, value_bits, iters, rows, slots=slots, reciprocal=reciprocal)
+    return _launch(call, D, G, (key_bits, value_bits))
 
 
-_LAUNCHES: dict[tuple, bool] = {}
+@lru_cache(maxsize=None)
+def _blocks_start(template: tuple, threadgroup: tuple[int, int, int], D: int, G: int, bits: tuple[int, int]) -> bool:
+    """Whether blocks of this template and size start on this device: a fact of the device and the
+    driver, asked once per template by one small launch. The driver compiles the kernel's PTX
+    itself, and where it needs more than 64 registers a thread (nvcc here gives 60 at 4 rows a
+    thread), a 1,024-thread block cannot start ("too many resources requested for launch")."""
+    t = dict(template)
+    heads = t["NH"] if t["WIN"] else 1  # one tile: of window 1 of two (WIN = 1), else of one head
+    shape = (2, heads, 2 * G, D) if t["WIN"] else (1, 1, G, D)
+    slots = mx.ones((1,), mx.int32) if t["WIN"] else no_slots()
+    probe = Launch(inputs=[mx.zeros(shape, mx.float16), mx.zeros(shape, mx.float16), _bits(*bits), slots],
+                   template=list(template), grid=(heads * (D // min(D, 128)) * threadgroup[0], 2, 1),
+                   threadgroup=threadgroup, output_shapes=list(output_shapes(1, heads, G, D, *bits).values()),
+                   output_dtypes=[mx.uint32 if name.endswith("codes") else mx.float16 for name in RECORD_FIELDS])
+    try:
+        mx.eval(list(_run(probe, D, G).values()))
+    except RuntimeError as exc:
+        log.warning("kvarn: the commit kernel's %d-thread blocks do not start here (%s); using 8 rows a thread",
+                    threadgroup[0], exc)
+        return False
+    return True
 
 
-def _launches(call: Launch, D: int, G: int) -> bool:
-    """Whether blocks of this launch's template and size start on this device (decided once per
-    template by one small launch). The driver compiles the kernel's PTX itself, and where it needs
-    more than 64 registers a thread (nvcc here gives 60 at 4 rows a thread), a 1,024-thread block
-    cannot start ("too many resources requested for launch")."""
-    key = (tuple(call.template), call.threadgroup)
-    if key not in _LAUNCHES:
-        t = dict(call.template)
-        heads = t["NH"] if t["WIN"] else 1  # one tile: of window 1 of two (WIN = 1), else of one head
-        shape = (2, heads, 2 * G, D) if t["WIN"] else (1, 1, G, D)
-        slots = mx.ones((1,), mx.int32) if t["WIN"] else call.inputs[3]
-        probe = replace(call, inputs=[mx.zeros(shape, mx.float16), mx.zeros(shape, mx.float16), call.inputs[2], slots],
-                        grid=(heads * (D // min(D, 128)) * call.threadgroup[0], 2, 1),
-                        output_shapes=list(output_shapes(1, heads, G, D, *[int(b) for b in call.inputs[2].tolist()])
-                                           .values()))
-        try:
-            mx.eval(_run(probe, D, G))
-            _LAUNCHES[key] = True
-        except RuntimeError as exc:
-            log.warning("kvarn: the commit kernel's %d-thread blocks do not start here (%s); using 8 rows a thread",
-                        call.threadgroup[0], exc)
-            _LAUNCHES[key] = False
-    return _LAUNCHES[key]
-
-
-def _launch(call: Launch, D: int, G: int) -> dict[str, mx.array]:
-    if call.threadgroup[0] > 512 and not _launches(call, D, G):
+def _launch(call: Launch, D: int, G: int, bits: tuple[int, int]) -> dict[str, mx.array]:
+    """Run ``call`` (of layout ``bits`` = (key_bits, value_bits)), re-cut to 8 rows a thread where
+    its blocks do not start here."""
+    if call.threadgroup[0] > 512 and not _blocks_start(tuple(call.template), call.threadgroup, D, G, bits):
         call = _with_rows(call, 8, D, G)
     return _run(call, D, G)
 

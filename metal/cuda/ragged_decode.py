@@ -30,14 +30,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from metal.paged_decode import Launch, _meta, minify  # _meta: (int, scale) scalar inputs, made once per value
-from metal.ragged_decode_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
+from metal.cuda.paged_decode import Launch
+from metal.cuda.ragged_decode_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
+from metal.device import planning_sms
+from metal.launch import minify, scalar_inputs
 
 NUM_THREADS = 128  # one block: 4 warps
-NUM_SMS = 132  # H200
-# The split policy (not measured on a GPU yet; bench/kernel_ragged_decode.py compares it with one item a row and
-# with always splitting). A wave is NUM_SMS x RESIDENT_BLOCKS blocks; when the batch's tokens x KV heads would
-# give fewer than TARGET_WAVES waves of blocks at one item a row, the rows are cut into splits of about
+# The split policy (bench/kernel_ragged_decode.py compares it with one item a row and with always splitting). A
+# wave is (the device's multiprocessors: metal.device) x RESIDENT_BLOCKS blocks; when the batch's tokens x KV
+# heads would give fewer than TARGET_WAVES waves of blocks at one item a row, the rows are cut into splits of about
 # (all tokens x KV heads) / (TARGET_WAVES waves) tokens, so a long row does not leave the GPU idle behind it;
 # never into splits shorter than MIN_SPLIT tokens (rows under 2 x MIN_SPLIT tokens stay one item: a split's
 # fixed cost, its query load, merge and partial write, would outweigh its ~MIN_SPLIT x 512 bytes of K/V a head).
@@ -62,14 +63,13 @@ COMBINE_OUTPUTS = ["out"]
 
 _ATTENTION_TEXT = (minify(HEADER), minify(ATTENTION_SOURCE))
 _COMBINE_TEXT = (minify(HEADER), minify(COMBINE_SOURCE))
-_KERNELS: dict[str, object] = {}
 
 
-def _kernel(name: str, header: str, source: str, input_names: list[str], output_names: list[str]):
-    if name not in _KERNELS:
-        _KERNELS[name] = mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names,
-                                             source=source, header=header)
-    return _KERNELS[name]
+@functools.cache
+def _kernel(name: str, header: str, source: str, input_names: tuple[str, ...], output_names: tuple[str, ...]):
+    """The compiled kernel of one text (MLX caches the templates under it)."""
+    return mx.fast.cuda_kernel(name=name, input_names=list(input_names), output_names=list(output_names),
+                               source=source, header=header)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class RaggedPlan:
         return self.num_items == len(self.lengths)
 
 
-def plan_splits(lengths: Sequence[int], n_kv_heads: int, num_sms: int = NUM_SMS,
+def plan_splits(lengths: Sequence[int], n_kv_heads: int, num_sms: int | None = None,
                 resident_blocks: int = RESIDENT_BLOCKS, waves: int = TARGET_WAVES, min_split: int = MIN_SPLIT,
                 align: int = SPLIT_ALIGN, single: bool | None = None) -> list[tuple[int, int, int]]:
     """Cut each row's tokens [0, length) into work items (row, first, end), in row order.
@@ -105,13 +105,14 @@ def plan_splits(lengths: Sequence[int], n_kv_heads: int, num_sms: int = NUM_SMS,
     SINGLE_MAX_TOKENS tokens, else splits). Split size: ``per = max(min_split, ceil(sum(lengths)
     x n_kv_heads / (waves x num_sms x resident_blocks)))`` tokens; row b gets ``max(1, min(ceil(len /
     per), len // min_split))`` items of about the same size, inner edges rounded to multiples of
-    ``align`` (so every item has >= min_split - align tokens unless the row is shorter)."""
+    ``align`` (so every item has >= min_split - align tokens unless the row is shorter). ``num_sms``:
+    the multiprocessors to fill (None: the device's, ``metal.device.planning_sms``)."""
     lengths = [int(n) for n in lengths]
     if single is None and len(lengths) * n_kv_heads <= SINGLE_MAX_ROW_HEADS and max(lengths) <= SINGLE_MAX_TOKENS:
         single = True
     if single:
         return [(b, 0, n) for b, n in enumerate(lengths)]
-    target = max(1, waves * num_sms * resident_blocks)
+    target = max(1, waves * planning_sms(num_sms) * resident_blocks)
     per = max(1, min_split, math.ceil(sum(lengths) * n_kv_heads / target))
     if single is False:
         per = max(1, min_split)
@@ -165,7 +166,7 @@ def attention_launch(queries: mx.array, keys: mx.array, values: mx.array, plan: 
     final = plan.final
     outputs = ([(B, n_q, D), (1,)], [queries.dtype, mx.float32]) if final else \
         ([(plan.num_items, H, NR, D), (plan.num_items, H, NR, 2)], [mx.float32, mx.float32])
-    t_cap_arr, scale_arr = _meta(T_cap, scale)
+    t_cap_arr, scale_arr = scalar_inputs(T_cap, float(scale))
     return Launch(
         name="kvarn_ragged_decode", final=final, header=_ATTENTION_TEXT[0], source=_ATTENTION_TEXT[1],
         input_names=ATTENTION_INPUTS, output_names=ATTENTION_OUTPUTS, shared_memory=0,
@@ -186,7 +187,7 @@ def combine_launch(part_o: mx.array, part_ml: mx.array, plan: RaggedPlan, querie
 
 
 def _run(call: Launch) -> list[mx.array]:
-    kernel = _kernel(call.name, call.header, call.source, call.input_names, call.output_names)
+    kernel = _kernel(call.name, call.header, call.source, tuple(call.input_names), tuple(call.output_names))
     return kernel(inputs=call.inputs, template=call.template, grid=call.grid, threadgroup=call.threadgroup,
                   output_shapes=call.output_shapes, output_dtypes=call.output_dtypes)
 
@@ -230,18 +231,3 @@ def ragged_decode_attention(*, queries: mx.array, keys: mx.array, values: mx.arr
         return part_o.reshape(B, n_q, 1, D)
     (out,) = _run(combine_launch(part_o, part_ml, plan, queries))
     return out.reshape(B, n_q, 1, D)
-
-
-def reference_ragged_decode_attention(*, queries: mx.array, keys: mx.array, values: mx.array, slots: Sequence[int],
-                                      lengths: Sequence[int], scale: float, plan: RaggedPlan | None = None) -> mx.array:
-    """The pure-MLX twin of ``ragged_decode_attention`` (``plan`` is ignored): the rows' slots
-    gathered (tokens [0, max length)), one SDPA in float32 under the rows' validity mask [B, 1, 1, T],
-    cast to the queries' dtype."""
-    T = max(lengths)
-    idx = mx.array(list(slots), dtype=mx.int32)
-    k = mx.take(keys[:, :, :T], idx, axis=0).astype(mx.float32)
-    v = mx.take(values[:, :, :T], idx, axis=0).astype(mx.float32)
-    mask = mx.arange(T, dtype=mx.int32)[None] < mx.array(list(lengths), dtype=mx.int32)[:, None]
-    out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale,
-                                               mask=mask[:, None, None, :])
-    return out.astype(queries.dtype)

@@ -1,7 +1,7 @@
 """The tensor-core (``mma.sync.m16n8k16``, f16 x f16 -> f32) body of the fused paged decode
-attention (``metal.paged_decode``), for D = 128, key bits 2/4/8 with G * key_bits >= 256, value bits
+attention (``metal.cuda.paged_decode``), for D = 128, key bits 2/4/8 with G * key_bits >= 256, value bits
 2/4/8 and up to 8 query heads per KV head; other shapes run the scalar body
-(``metal.paged_decode_source``). Design: docs/kernels.md.
+(``metal.cuda.paged_decode_source``). Design: docs/kernels.md.
 
 Fragments come straight from the packed codes. One 32-bit word holds 32/b codes of one channel
 (keys: consecutive tokens) or one token (values: consecutive channels); ``(w & mask) | 0x6400_6400``
@@ -26,7 +26,7 @@ The float16 sink and tail tiles (if the work item has them) are split across the
 and run scalar (lane = token for QK; the o layout of the record path for PV).
 """
 
-from metal.paged_decode_mma_tiles import MMA_TILES
+from metal.cuda.paged_decode_mma_tiles import MMA_TILES
 
 MMA_HEADER = r"""
 #ifndef KV_EMU

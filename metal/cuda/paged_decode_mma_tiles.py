@@ -1,4 +1,4 @@
-"""The second half of the tensor-core paged decode body (``metal.paged_decode_mma``): the record
+"""The second half of the tensor-core paged decode body (``metal.cuda.paged_decode_mma``): the record
 tiles (cp.async stages, QK and PV on m16n8k16 fragments built from the packed codes, online
 softmax) and the merge of the block's four warps (per-split partials, or the row's output when it
 is the only work item). It continues MMA_SETUP's scope: its names (lane, g, t, warp, the stage

@@ -1,6 +1,7 @@
 """Fused paged decode attention over the KVarN block pool on Apple GPUs (``mx.fast.metal_kernel``).
 
-The Metal twin of the CUDA scalar body (``metal.paged_decode``): the same split-K plan, the same
+The Metal twin of the CUDA scalar body (``metal.cuda.paged_decode``): the same split-K plan
+(``metal.paged_plan``), the same
 two launches (attention: one threadgroup of 128 threads per (work item, KV head), online softmax
 in float32, K and V dequantized from the pool read in place; combine: the splits merged, inverse
 Hadamard, cast), the same inputs and outputs. ``paged_decode_attention`` has the CUDA wrapper's
@@ -9,12 +10,12 @@ combine then only normalizes and rotates back).
 
 Limits it is written to (Apple GPUs): 128 threads a threadgroup (of at most 1,024), at most
 29.3 KB of threadgroup memory (of 32 KB; ``threadgroup_bytes``), 32-lane simdgroups. The Metal
-source in ``metal/paged_decode_metal_source.py`` says what differs from the CUDA body.
+source in ``metal/msl/paged_decode_source.py`` says what differs from the CUDA body.
 
 **What was verified where** (docs/kernels.md, "Metal twins"): the Metal text run by a g++ emulator
 of the Metal execution model on Linux CPUs (``tests/metal/metal_emulator.py``); it was never
 compiled by Apple's Metal compiler on this project's machines. On an Apple GPU
-``metal.attention_path()`` compiles it and checks it against the reference at first use, and
+the selector (``metal.selector.Kernels``) compiles it and checks it against the reference at first use, and
 falls back to the reference if that fails.
 """
 
@@ -25,12 +26,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from metal.paged_decode import RECORD_FIELDS, DecodePlan, RowLengths, make_plan, minify, \
-    reference_paged_decode_attention
-from metal.paged_decode_metal_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
-
-__all__ = ["paged_decode_attention", "reference_paged_decode_attention", "is_supported", "threadgroup_bytes",
-           "attention_launch", "combine_launch", "RowLengths", "DecodePlan"]
+from metal.launch import minify, scalar_inputs
+from metal.msl.paged_decode_source import ATTENTION_SOURCE, COMBINE_SOURCE, HEADER
+from metal.paged_plan import DecodePlan, RowLengths, make_plan
+from metal.records import RECORD_FIELDS
 
 NUM_THREADS = 128  # one threadgroup: 4 simdgroups of 32
 MAX_THREADGROUP_MEMORY = 32 * 1024  # Apple GPUs
@@ -80,16 +79,6 @@ class MetalLaunch:
 
 _ATTENTION_TEXT = (minify(HEADER), minify(ATTENTION_SOURCE))
 _COMBINE_TEXT = (minify(HEADER), minify(COMBINE_SOURCE))
-_META: dict[tuple[int, float], tuple[mx.array, mx.array]] = {}
-
-
-def _meta(nb: int, scale: float) -> tuple[mx.array, mx.array]:
-    key = (nb, float(scale))
-    if key not in _META:
-        if len(_META) > 256:
-            _META.clear()
-        _META[key] = (mx.array([nb], dtype=mx.int32), mx.array([scale], dtype=mx.float32))
-    return _META[key]
 
 
 def attention_launch(queries: mx.array, records: dict[str, mx.array], win_k: mx.array, win_v: mx.array,
@@ -100,7 +89,7 @@ def attention_launch(queries: mx.array, records: dict[str, mx.array], win_k: mx.
     NR = n_q // H
     if table is None:
         table = mx.zeros((B, 1), dtype=mx.int32)
-    nb_arr, scale_arr = _meta(table.shape[1], scale)
+    nb_arr, scale_arr = scalar_inputs(table.shape[1], float(scale))
     template = [("QT", queries.dtype), ("WT", win_k.dtype), ("D", D), ("G", G), ("KB", bits[0]), ("VB", bits[1]),
                 ("NR", NR)]
     return MetalLaunch(
@@ -142,10 +131,10 @@ def paged_decode_attention(*, queries: mx.array, records: dict[str, mx.array], w
                            table: mx.array | None, lengths: RowLengths, scale: float,
                            key_bits: int, value_bits: int, plan: DecodePlan | None = None,
                            variant=None) -> mx.array:
-    """``metal.paged_decode.paged_decode_attention`` on an Apple GPU: every row's decode
+    """``metal.cuda.paged_decode.paged_decode_attention`` on an Apple GPU: every row's decode
     attention (queries [B, n_q, 1, D], unrotated) over its window and its records read in place;
     returns [B, n_q, 1, D] in the queries' dtype (unrotated). ``plan``: the step's split plan
-    (``metal.paged_decode.make_plan``; built here when not given); ``variant`` is accepted for the
+    (``metal.paged_plan.make_plan``; built here when not given); ``variant`` is accepted for the
     CUDA wrapper's signature and ignored (there is one Metal body)."""
     B, n_q, _, D = queries.shape
     H, G = win_k.shape[1], win_k.shape[2] // 2

@@ -1,8 +1,8 @@
-"""The CUDA source of the fused paged decode attention (``metal.paged_decode``): a shared header,
+"""The CUDA source of the fused paged decode attention (``metal.cuda.paged_decode``): a shared header,
 the split-K attention kernel body and the combine kernel body, as ``mx.fast.cuda_kernel`` takes
 them (bodies only: MLX writes the signature from the input and output names and the template
 arguments). Kept apart from the wrapper, its split plan and its reference; the layout and the
-algorithm are described in ``metal/paged_decode.py`` and docs/kernels.md."""
+algorithm are described in ``metal/cuda/paged_decode.py`` and docs/kernels.md."""
 
 HEADER = r"""
 #define KV_THREADS 128

@@ -1,0 +1,328 @@
+"""Which kernel runs: the one registry of verdicts (``Kernels``).
+
+Each fused kernel is decided once (the commit once per layout) at its first use: the kernel of
+this device's backend (CUDA: ``metal.cuda``; an Apple GPU: ``metal.msl``) where it has the shape
+and passes a self-check against its pure-MLX reference on a small random case; else the
+reference, with one logged warning per kind of kernel. A verdict never changes afterwards.
+
+    kind of kernel   key                                          verdicts
+    paged_decode     ()                                           cuda-fused | metal-fused | reference
+    commit           (head_dim, tile_size, key_bits, value_bits, iters)   cuda-fused | metal-fused | reference
+    ragged_decode    ()                                           cuda-fused | reference
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from metal.paged_plan import RowLengths
+from metal.records import RECORD_FIELDS
+from metal.reference import reference_paged_decode_attention, reference_ragged_decode_attention
+
+log = logging.getLogger(__name__)
+SELF_CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference|: float16 noise is ~1e-3
+COMMIT_SELF_CHECK_CODES = 0.99  # fraction of code words equal to the reference's
+COMMIT_SELF_CHECK_FACTORS = 1e-2  # max |kernel - reference| / max |reference| per factor field (float16 ~1e-3)
+FUSED = ("cuda-fused", "metal-fused")
+REFERENCE = "reference"
+
+
+class CommitKernel(NamedTuple):
+    """The fused commit's two entry points, with ``metal.cuda.commit``'s signatures."""
+
+    tiles: Callable[..., dict[str, mx.array]]
+    window_tails: Callable[..., dict[str, mx.array]]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One GPU backend's kernels (``metal.cuda``'s signatures) and which shapes each has
+    (``*_supported``: keyword arguments as ``metal.cuda``'s ``is_supported``); None: no such kernel.
+    ``ragged_plan`` is the ragged kernel's ``make_plan`` (its self-check runs both kinds of plan)."""
+
+    name: str  # in warnings: "CUDA" | "Metal"
+    verdict: str  # what its kernels' verdicts read: "cuda-fused" | "metal-fused"
+    paged_decode: Callable[..., mx.array] | None = None
+    paged_decode_supported: Callable[..., bool] | None = None
+    commit: CommitKernel | None = None
+    commit_supported: Callable[..., bool] | None = None
+    ragged_decode: Callable[..., mx.array] | None = None
+    ragged_decode_supported: Callable[..., bool] | None = None
+    ragged_plan: Callable | None = None
+
+
+def cuda_backend() -> Backend:
+    from metal.cuda import commit, paged_decode, ragged_decode
+    return Backend("CUDA", "cuda-fused", paged_decode.paged_decode_attention, paged_decode.is_supported,
+                   CommitKernel(commit.quantize_tiles, commit.quantize_window_tails), commit.is_supported,
+                   ragged_decode.ragged_decode_attention, ragged_decode.is_supported, ragged_decode.make_plan)
+
+
+def metal_backend() -> Backend:
+    from metal.msl import commit, paged_decode
+    return Backend("Metal", "metal-fused", paged_decode.paged_decode_attention, paged_decode.is_supported,
+                   CommitKernel(commit.quantize_tiles, commit.quantize_window_tails), commit.is_supported)
+
+
+def detect_backend() -> Backend | None:
+    """The backend of the device MLX runs on: CUDA, else an Apple GPU, else None (no fused kernels)."""
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return cuda_backend()
+    if hasattr(mx, "metal") and mx.metal.is_available():
+        return metal_backend()
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: str  # "cuda-fused" | "metal-fused" | "reference"
+    warned: bool  # this decision logged its kind's one warning
+
+
+class Kernels:
+    """The verdicts of one process (or of one test): one dict from (kind of kernel, *key) to its
+    ``Decision``, each made once, at first use, on the thread that runs the kernels. ``backend``:
+    "auto" (detected at the first decision), a ``Backend``, or None (every verdict the reference).
+    The ``decided_*`` readers never decide, so other threads may ask them."""
+
+    def __init__(self, backend: Backend | None | str = "auto"):
+        self._backend_arg = backend
+        self._decisions: dict[tuple, Decision] = {}
+
+    @cached_property
+    def backend(self) -> Backend | None:
+        return detect_backend() if self._backend_arg == "auto" else self._backend_arg
+
+    def _settle(self, key: tuple, path: str, warning: tuple | None) -> str:
+        """Record ``path`` for ``key``; log ``warning`` (a logging format and its arguments) only if
+        no decision of the same kind warned before."""
+        warned = warning is not None and not any(d.warned for k, d in self._decisions.items() if k[0] == key[0])
+        if warned:
+            log.warning(*warning)
+        self._decisions[key] = Decision(path, warned)
+        return path
+
+    def _decided(self, kind: str) -> str | None:
+        return next((d.path for k, d in self._decisions.items() if k[0] == kind), None)
+
+    # ---- the paged KVarN decode attention ----
+    def attention_path(self) -> str:
+        """The KVarN decode attention in force: "cuda-fused" | "metal-fused" | "reference"."""
+        key = ("paged_decode",)
+        if key not in self._decisions:
+            self._settle(key, *self._decide_attention())
+        return self._decisions[key].path
+
+    def _decide_attention(self) -> tuple[str, tuple | None]:
+        b = self.backend
+        if b is None or b.paged_decode is None:
+            return REFERENCE, ("kvarn: no GPU backend with a fused decode kernel; KVarN decode runs the pure-MLX "
+                               "reference path",)
+        try:
+            err = paged_decode_self_check(b.paged_decode)
+        except Exception as exc:  # a compile or launch failure: the reference still works
+            return REFERENCE, ("kvarn: the fused %s decode kernel failed its self-check (%s); running the reference "
+                               "path", b.name, exc)
+        if not err <= SELF_CHECK_TOLERANCE:
+            return REFERENCE, ("kvarn: the fused %s decode kernel is off its reference by %.3g (max relative); "
+                               "running the reference path", b.name, err)
+        return b.verdict, None
+
+    def paged_decode(self, *, head_dim: int, tile_size: int, key_bits: int, value_bits: int,
+                     n_rep: int) -> Callable[..., mx.array] | None:
+        """The fused paged decode attention (``metal.cuda.paged_decode.paged_decode_attention``'s
+        signature) where the verdict is fused and the kernel has this shape; else None: the
+        caller runs its reference path. Decides the verdict at the first call."""
+        if self.attention_path() not in FUSED:
+            return None
+        b = self.backend
+        shape = dict(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits, n_rep=n_rep)
+        return b.paged_decode if b.paged_decode_supported(**shape) else None
+
+    def decided_attention_path(self) -> str | None:
+        return self._decided("paged_decode")
+
+    def pin_attention_path(self, path: str) -> None:
+        """Fix the decode attention's verdict without a self-check: "reference", or this backend's
+        fused verdict (to compare both paths through the engine in one process). ValueError for a
+        verdict this backend cannot give."""
+        b = self.backend
+        allowed = {REFERENCE} | ({b.verdict} if b is not None and b.paged_decode is not None else set())
+        if path not in allowed:
+            raise ValueError(f"attention path {path!r}: this backend gives one of {sorted(allowed)}")
+        self._decisions[("paged_decode",)] = Decision(path, False)
+
+    # ---- the tile commit ----
+    def commit_path(self, *, reference: Callable[..., dict[str, mx.array]], head_dim: int = 128,
+                    tile_size: int = 128, key_bits: int = 4, value_bits: int = 2, iters: int = 8) -> str:
+        """The KVarN tile commit in force for this layout. ``reference``: the pure-MLX quantizer the
+        kernel must match (``metal`` imports nothing of ``kvarn``), called as ``reference(keys=,
+        values=, key_bits=, value_bits=, iters=)`` like ``metal.cuda.commit.quantize_tiles`` and
+        returning the same record fields; not called where no backend has the kernel. One warning
+        a process, whatever the number of layouts that fall back."""
+        layout = (head_dim, tile_size, key_bits, value_bits, iters)
+        key = ("commit", *layout)
+        if key not in self._decisions:
+            self._settle(key, *self._decide_commit(reference, *layout))
+        return self._decisions[key].path
+
+    def _decide_commit(self, reference, head_dim, tile_size, key_bits, value_bits, iters) -> tuple[str, tuple | None]:
+        b = self.backend
+        if b is None or b.commit is None:
+            return REFERENCE, ("kvarn: no GPU backend with a fused commit kernel; KVarN commits run the pure-MLX "
+                               "quantizer",)
+        if not b.commit_supported(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits):
+            return REFERENCE, ("kvarn: no fused %s commit kernel for head_dim %d, tile %d, k%dv%d; commits run the "
+                               "pure-MLX quantizer", b.name, head_dim, tile_size, key_bits, value_bits)
+        try:
+            same, worst = commit_self_check(reference, b.commit, head_dim=head_dim, tile_size=tile_size,
+                                            key_bits=key_bits, value_bits=value_bits, iters=iters)
+        except Exception as exc:  # a compile or launch failure: the reference still works
+            return REFERENCE, ("kvarn: the fused %s commit kernel failed its self-check (%s); commits run the "
+                               "pure-MLX quantizer", b.name, exc)
+        if not (same >= COMMIT_SELF_CHECK_CODES and worst <= COMMIT_SELF_CHECK_FACTORS):
+            return REFERENCE, ("kvarn: the fused %s commit kernel is off its reference (%.4f of code words equal, "
+                               "factors off by %.3g); commits run the pure-MLX quantizer", b.name, same, worst)
+        return b.verdict, None
+
+    def commit(self, *, reference: Callable[..., dict[str, mx.array]], head_dim: int, tile_size: int,
+               key_bits: int, value_bits: int, iters: int) -> CommitKernel | None:
+        """The fused commit for this layout where its verdict (``commit_path``) is fused, else None:
+        the caller runs ``reference``'s quantizer."""
+        path = self.commit_path(reference=reference, head_dim=head_dim, tile_size=tile_size, key_bits=key_bits,
+                                value_bits=value_bits, iters=iters)
+        return self.backend.commit if path in FUSED else None
+
+    def decided_commit_path(self) -> str | None:
+        """The first verdict ``commit_path`` reached, else None."""
+        return self._decided("commit")
+
+    # ---- the fp16 baseline's ragged decode attention ----
+    def ragged_decode_path(self) -> str:
+        """The fp16 baseline's ragged decode attention in force: "cuda-fused" | "reference"; never
+        raises (a verdict must come back whatever happened)."""
+        key = ("ragged_decode",)
+        if key not in self._decisions:
+            try:
+                decision = self._decide_ragged()
+            except Exception as exc:  # noqa: BLE001
+                decision = REFERENCE, ("kvarn: deciding the ragged decode path failed (%s); running the reference "
+                                       "path", exc)
+            self._settle(key, *decision)
+        return self._decisions[key].path
+
+    def _decide_ragged(self) -> tuple[str, tuple | None]:
+        b = self.backend
+        if b is None or b.ragged_decode is None:
+            return REFERENCE, ("kvarn: no CUDA backend with the fused ragged decode kernel; the fp16 baseline's "
+                               "batched decode runs the pure-MLX reference path",)
+        try:
+            err = ragged_decode_self_check(b.ragged_decode, b.ragged_plan)
+        except Exception as exc:  # a compile or launch failure: the reference still works
+            return REFERENCE, ("kvarn: the fused %s ragged decode kernel failed its self-check (%s); running the "
+                               "reference path", b.name, exc)
+        if not err <= SELF_CHECK_TOLERANCE:
+            return REFERENCE, ("kvarn: the fused %s ragged decode kernel is off its reference by %.3g (max "
+                               "relative); running the reference path", b.name, err)
+        return b.verdict, None
+
+    def ragged_decode(self, *, head_dim: int, n_rep: int, dtype: mx.Dtype,
+                      kv_dtype: mx.Dtype) -> Callable[..., mx.array] | None:
+        """The fused ragged decode attention (``metal.cuda.ragged_decode.ragged_decode_attention``'s
+        signature) where this backend has it for the shape and its verdict is fused, else None.
+        Where the backend has no such kernel nothing is decided (an fp16 server off CUDA reports
+        no verdict)."""
+        b = self.backend
+        if b is None or b.ragged_decode is None or not b.ragged_decode_supported(
+                head_dim=head_dim, n_rep=n_rep, dtype=dtype, kv_dtype=kv_dtype):
+            return None
+        return b.ragged_decode if self.ragged_decode_path() in FUSED else None
+
+    def decided_ragged_decode_path(self) -> str | None:
+        return self._decided("ragged_decode")
+
+
+# ---- the self-checks: each kernel against its reference on a small random case ----
+def _max_rel_error(out: mx.array, ref: mx.array) -> float:
+    out, ref = out.astype(mx.float32), ref.astype(mx.float32)
+    return (mx.max(mx.abs(out - ref)) / mx.max(mx.abs(ref))).item()
+
+
+def paged_decode_self_check(kernel: Callable[..., mx.array]) -> float:
+    """``kernel`` (``paged_decode_attention``'s signature) vs the reference on a small random pool
+    (records at scattered ids, ragged rows): the max relative error."""
+    H, NR, D, G, N = 2, 4, 128, 128, 6
+    ks = mx.random.split(mx.random.key(11), 12)
+    records = {
+        "k_codes": mx.random.randint(0, 2**31, (N, H, 1, D, G * 4 // 32), key=ks[0]).astype(mx.uint32),
+        "v_codes": mx.random.randint(0, 2**31, (N, H, G, D * 2 // 32), key=ks[1]).astype(mx.uint32)}
+    for i, (name, shape) in enumerate([("k_alpha", (N, H, 1, D)), ("k_beta", (N, H, 1, D)), ("k_r", (N, H, 1, G)),
+                                       ("v_alpha", (N, H, G, 1)), ("v_beta", (N, H, G, 1)), ("v_c", (N, H, D))]):
+        records[name] = (mx.random.uniform(0.05, 0.3, shape, key=ks[2 + i])).astype(mx.float16)
+    win_k = mx.random.normal((4, H, 2 * G, D), key=ks[8]).astype(mx.float16)
+    win_v = mx.random.normal((4, H, 2 * G, D), key=ks[9]).astype(mx.float16)
+    queries = mx.random.normal((3, H * NR, 1, D), key=ks[10]).astype(mx.float16)
+    table = mx.array([[3, 1, 5], [0, 0, 0], [2, 0, 0]], dtype=mx.int32)
+    lengths = RowLengths(slots=(2, 1, 3), sink_len=(G, 7, G), tail_len=(5, 0, 0), num_tiles=(3, 0, 1))
+    kw = dict(queries=queries, records={n: records[n] for n in RECORD_FIELDS}, win_k=win_k, win_v=win_v,
+              table=table, lengths=lengths, scale=D ** -0.5, key_bits=4, value_bits=2)
+    return _max_rel_error(kernel(**kw), reference_paged_decode_attention(**kw))
+
+
+def commit_self_check(reference: Callable[..., dict[str, mx.array]], kernel: CommitKernel, *, head_dim: int,
+                      tile_size: int, key_bits: int, value_bits: int, iters: int) -> tuple[float, float]:
+    """``kernel`` against ``reference`` on two random tiles of two heads (keys with uneven
+    channels), given as tiles and as the tails of windows 2 and 0 of three-window buffers:
+    (fraction of equal code words, worst relative factor difference; the worse of the two)."""
+    k1, k2, k3 = mx.random.split(mx.random.key(17), 3)
+    shape = (2, 2, tile_size, head_dim)
+    keys = (mx.random.normal(shape, key=k1) * mx.linspace(0.2, 3.0, head_dim)).astype(mx.float16)
+    values = mx.random.normal(shape, key=k2).astype(mx.float16)
+    kw = dict(keys=keys, values=values, key_bits=key_bits, value_bits=value_bits, iters=iters)
+    want = reference(**kw)
+    noise = mx.random.normal((3, 2, 2 * tile_size, head_dim), key=k3).astype(mx.float16)
+    win_k, win_v = mx.array(noise), mx.array(noise)
+    slots = mx.array([2, 0], dtype=mx.int32)
+    win_k[slots, :, tile_size:], win_v[slots, :, tile_size:] = keys, values
+    same, worst = 1.0, 0.0
+    for got in (kernel.tiles(**kw), kernel.window_tails(win_k=win_k, win_v=win_v, slots=slots, key_bits=key_bits,
+                                                        value_bits=value_bits, iters=iters)):
+        same, worst = _compare_records(got, want, same, worst)
+    return same, worst
+
+
+def _compare_records(got: dict, want: dict, same: float, worst: float) -> tuple[float, float]:
+    for name, g in got.items():
+        a, b = np.array(g), np.array(want[name])
+        if a.shape != b.shape:
+            return 0.0, float("inf")
+        if name.endswith("codes"):
+            same = min(same, float((a == b).mean()))
+        else:
+            a, b = a.astype(np.float32), b.astype(np.float32)
+            worst = max(worst, float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)))
+    return same, worst
+
+
+def ragged_decode_self_check(kernel: Callable[..., mx.array], make_plan: Callable) -> float:
+    """``kernel`` (``ragged_decode_attention``'s signature) vs the reference on a small random
+    ragged batch (scattered slots, garbage past the rows' lengths, bfloat16 queries over float16
+    K/V), with rows split (the combine launch) and with one item a row (the FINAL launch), the
+    plans made by ``make_plan``: the worse max relative error."""
+    ks = mx.random.split(mx.random.key(23), 3)
+    H, NR, D, N, T_cap = 2, 4, 128, 6, 1100
+    lengths, slots = (1, 300, 1000, 77), (4, 0, 2, 5)
+    keys = mx.random.normal((N, H, T_cap, D), key=ks[0]).astype(mx.float16)
+    values = mx.random.normal((N, H, T_cap, D), key=ks[1]).astype(mx.float16)
+    queries = mx.random.normal((len(lengths), H * NR, 1, D), key=ks[2]).astype(mx.bfloat16)
+    kw = dict(queries=queries, keys=keys, values=values, slots=slots, lengths=lengths, scale=D ** -0.5)
+    ref = reference_ragged_decode_attention(**kw)
+    return max(_max_rel_error(kernel(**kw, plan=make_plan(slots, lengths, H, single=single)), ref)
+               for single in (False, True))
