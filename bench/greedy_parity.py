@@ -23,11 +23,12 @@ Commands (the process preloads OpenBLAS as the ``kvarn`` command does, ``server/
     python bench/greedy_parity.py --base REV --out bench/results/greedy-parity.json
 
 ``record`` writes ``{meta: {revision, dirty, tree, layouts, prompt_tokens, prompts_sha256,
-cached_tokens, same_as_c1, seconds, wall_seconds, ...}, arms: {name: [token list per prompt]}}``
-(``same_as_c1``: per arm, how many prompts' tokens equal the same layout's ``no-apc/c1`` tokens
-in this revision; a note on batching and restoring, not part of the comparison). ``compare`` says per arm
-whether the tokens are identical and, where not, each differing prompt and its first differing
-position; it exits 1 on any difference (a missing arm or different prompt ids included).
+cached_tokens, seconds, wall_seconds, ...}, arms: {name: [token list per prompt]}}``. ``compare``
+says per arm whether the tokens are identical and, where not, each differing prompt and its first
+differing position; it exits 1 on any difference (a missing arm or different prompt ids
+included). Its markdown also counts, per arm and revision, the prompts whose tokens equal the same
+layout's ``no-apc/c1`` tokens: a note on what batching and restoring do within a revision, not
+part of the verdict.
 ``--base REV`` records REV in a temporary ``git worktree`` (a subprocess, ``PYTHONPATH`` and cwd
 the worktree, this script file), then this checkout, compares them and writes one result JSON
 (both revisions' meta, per-arm identical flags, first differences) and a markdown table beside
@@ -172,6 +173,13 @@ def describe(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def same_as_solo(record: dict[str, Any], name: str) -> int | None:
+    """How many prompts of arm ``name`` have the tokens of its layout's ``no-apc/c1`` arm."""
+    solo = record["arms"].get(name.split("/")[0] + "/no-apc/c1")
+    rows = record["arms"].get(name)
+    return None if solo is None or rows is None else sum(a == b for a, b in zip(rows, solo))
+
+
 def _revision(meta: dict[str, Any]) -> str:
     return f"{meta.get('revision', '?')[:12]}{' (uncommitted changes)' if meta.get('dirty') else ''}"
 
@@ -186,10 +194,12 @@ def markdown(result: dict[str, Any], base: dict[str, Any], current: dict[str, An
             + ", ".join(f"{k}: {m.get('cached_tokens', {}).get(k)} / {current['meta'].get('cached_tokens', {}).get(k)}"
                         for k in m.get("cached_tokens", {}) if k.endswith("apc-hit")), ""]
     head += [f"- problem: {p}" for p in result["problems"]]
-    rows = ["| arm | identical | first differences (prompt: position) |", "|---|---|---|"]
+    rows = ["| arm | identical | first differences (prompt: position) | prompts as no-apc/c1 (base / current) |",
+            "|---|---|---|---|"]
     for name, arm in result["arms"].items():
         diffs = ", ".join(f"{d['prompt']}: {d['position']}" for d in arm["differences"]) or "-"
-        rows.append(f"| {name} | {'yes' if arm['identical'] else 'NO'} | {diffs} |")
+        solo = " / ".join(str(same_as_solo(r, name)) for r in (base, current))
+        rows.append(f"| {name} | {'yes' if arm['identical'] else 'NO'} | {diffs} | {solo} |")
     return "\n".join(head + ([""] if result["problems"] else []) + rows) + "\n"
 
 
@@ -278,11 +288,8 @@ def record_layout(loaded: Any, layout: str, prompts: list[list[int]], tokens: in
             arms[f"{layout}/{name}"] = rows
         meta["seconds"][f"{layout}/{name}"] = round(time.perf_counter() - start, 2)
         logging.info("%s/%s: %.1f s", layout, name, time.perf_counter() - start)
-    solo = [ids for ids, _ in arms[f"{layout}/no-apc/c1"]]
     for name, rows in arms.items():
         meta["cached_tokens"][name] = [cached for _, cached in rows]
-        # within this revision: prompts whose tokens equal the solo, uncached run's (a note, not a check)
-        meta["same_as_c1"][name] = sum(ids == ref for (ids, _), ref in zip(rows, solo))
     missed = [i for i, (p, (_, cached)) in enumerate(zip(prompts, arms[f"{layout}/apc-hit"]))
               if len(p) > LONG_PROMPT_TOKENS and cached == 0]
     if missed:
@@ -302,12 +309,14 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     tree = Path(engine_package.__file__).resolve().parents[1]
+    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    for layout in layouts:
+        parse_layout(layout)  # a bad name fails before any arm runs
     loaded = load_model(None, args.dtype)
     prompts = [chat_ids(loaded.tokenizer, m) for m in PROMPTS[: args.prompts]]
     if not any(len(p) > LONG_PROMPT_TOKENS for p in prompts):
         fail(f"no prompt longer than {LONG_PROMPT_TOKENS} tokens: the prefix cache "
              "arms would prove nothing (use more prompts)")
-    layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
     meta: dict[str, Any] = {
         "revision": _git(tree, "rev-parse", "HEAD"), "dirty": bool(_git(tree, "status", "--porcelain")),
         "changes": _git(tree, "status", "--porcelain").splitlines()[:50], "tree": str(tree),
@@ -315,11 +324,9 @@ def cmd_record(args: argparse.Namespace) -> int:
         "device": str(mx.default_device()), "mlx": mx.__version__, "openblas": openblas_active(),
         "layouts": layouts, "tokens": args.tokens, "prompt_tokens": [len(p) for p in prompts],
         "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-        "kv": {}, "cached_tokens": {}, "same_as_c1": {}, "seconds": {},
+        "kv": {}, "cached_tokens": {}, "seconds": {},
     }
     arms: dict[str, list[list[int]]] = {}
-    for layout in layouts:
-        parse_layout(layout)  # a bad name fails before any arm runs
     for layout in layouts:
         arms.update(record_layout(loaded, layout, prompts, args.tokens, meta))
     meta["wall_seconds"] = round(time.perf_counter() - started, 1)

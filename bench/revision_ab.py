@@ -21,8 +21,10 @@ the rounds is shown beside it as the noise to judge the ratio by. Per tree and r
   max tokens (EOS ends a reply, as for a client), c = 1 (``--serve-requests-c1`` requests one after
   another) and c = 16 (32 requests through 16 workers): aggregate tok/s and TTFT p50.
 
-At the defaults (N = 128, M = 64, 64 served tokens, 3 rounds) a run takes about 12-15 minutes on
-2 CPU cores; the settings are written in the markdown. Writes ``OUT`` (JSON: settings, both
+At the defaults (N = 128, M = 64, 64 served tokens, 3 rounds) a run should take 12-15 minutes on
+2 CPU cores (estimated: one round at 8 decode, 4 concurrent and 8 served tokens took 2 minutes,
+most of it process and server starts and the 2048-token prompts); the settings are written in the
+markdown. ``--rounds 1`` with a few tokens checks that both trees run. Writes ``OUT`` (JSON: settings, both
 revisions, every round's figures, medians and ratios) and ``OUT.md`` beside it.
 """
 

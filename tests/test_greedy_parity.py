@@ -36,7 +36,7 @@ def test_identical_records_exit_0(tmp_path: Path) -> None:
     proc, md = _compare(tmp_path, _record(BASE_ARMS), _record(json.loads(json.dumps(BASE_ARMS))))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["fp16/no-apc/c1: identical (2 prompts)", "fp16/apc-hit: identical (2 prompts)"]
-    assert "**identical**" in md and "| fp16/apc-hit | yes | - |" in md
+    assert "**identical**" in md and "| fp16/apc-hit | yes | - | 2 / 2 |" in md
 
 
 @pytest.mark.parametrize(("changed", "position", "expected"), [
@@ -51,7 +51,7 @@ def test_a_differing_token_is_named_and_exits_1(tmp_path: Path, changed: list[in
     assert proc.returncode == 1
     assert proc.stdout.splitlines() == ["fp16/no-apc/c1: identical (2 prompts)",
                                         f"fp16/apc-hit: DIFFERS in 1 of 2 prompts: {expected}"]
-    assert "**DIFFERENT**" in md and f"| fp16/apc-hit | NO | 1: {position} |" in md
+    assert "**DIFFERENT**" in md and f"| fp16/apc-hit | NO | 1: {position} | 2 / 1 |" in md
 
 
 def test_a_missing_arm_and_other_prompts_exit_1(tmp_path: Path) -> None:
