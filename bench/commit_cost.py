@@ -29,14 +29,14 @@ from kvarn.layout import KVLayout  # noqa: E402
 
 
 def time_commit(layout: KVLayout, num_tiles: int, repeats: int = 20) -> float:
-    from kvarn.record import quantize_tiles
-    keys = mx.random.normal((1, 2, num_tiles, layout.tile_size, 128)).astype(mx.float16)
-    values = mx.random.normal((1, 2, num_tiles, layout.tile_size, 128)).astype(mx.float16)
+    from kvarn.pool import quantize_blocks
+    keys = mx.random.normal((num_tiles, 2, layout.tile_size, 128)).astype(mx.float16)
+    values = mx.random.normal((num_tiles, 2, layout.tile_size, 128)).astype(mx.float16)
     mx.eval(keys, values)
-    mx.eval(vars(quantize_tiles(keys, values, layout)))
+    mx.eval(quantize_blocks(keys, values, layout))
     start = time.perf_counter()
     for _ in range(repeats):
-        mx.eval(vars(quantize_tiles(keys, values, layout)))
+        mx.eval(quantize_blocks(keys, values, layout))
     return (time.perf_counter() - start) / repeats
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from apc.prefix_cache import PrefixCache
 from engine.kv_config import ApcConfig, KVConfig
@@ -25,13 +25,9 @@ from engine.request import FinishReason, Request, RequestId, RequestOutput, Samp
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
 from kvarn.attention import install_attention_seam
-from kvarn.baselines import count_quantized_layers, make_cache
-from kvarn.batch import make_batch_cache
-from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore
 from kvarn.pool import warm_quantizer
-from kvarn.rotating import AffineRotatingKVCache
+from kvarn.rows import RowStore, batchable, count_quantized_layers, make_batch_cache, make_cache, paged_row
 from metal import KERNELS
 
 logger = logging.getLogger(__name__)
@@ -61,9 +57,9 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     install_attention_seam(loaded.model)
     probe = make_cache(loaded.model, layout, capacity=1)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
-    kvarn_layer = next((c for c in probe if isinstance(c, KVarNKVCache)), None)
-    if kvarn_layer is not None:  # every tile count a step can commit: decode rows, or one prompt chunk
-        _, heads, _, dim = kvarn_layer.sink_k.shape
+    row = paged_row(probe)
+    if row is not None:  # every tile count a step can commit: decode rows, or one prompt chunk
+        heads, dim = row.pool.shapes[min(row.layers)]
         warm_quantizer(layout, heads, dim, max(config.max_num_seqs, -(-config.prefill_chunk_size // layout.tile_size)))
         KERNELS.attention_path()  # decide the decode attention (the fused kernel's self-check) before serving
     elif layout.scheme == "fp16" and hasattr(mx, "cuda") and mx.cuda.is_available():
@@ -122,20 +118,23 @@ def make_pricing(loaded: LoadedModel, layout: KVLayout, prefill_chunk: int) -> P
 def can_batch_decode(loaded: LoadedModel, layout: KVLayout) -> bool:
     """Whether decoding rows can run as one batch: every layer's cache must be an attention
     cache the batch understands, and a two-row probe must run (else rows decode alone)."""
-    rows = [make_cache(loaded.model, layout, capacity=2) for _ in range(2)]
-    if not all(isinstance(c, (KVCache, RotatingKVCache, KVarNKVCache, QuantizedKVCache, AffineRotatingKVCache))
-               for c in rows[0]):
-        logger.warning("this model's caches cannot be batched: decoding rows run one at a time")
-        return False
+    store = RowStore(loaded.model, layout)
+    rows = [store.new_row(2) for _ in range(2)]
     try:
+        if not batchable(rows[0]):
+            logger.warning("this model's caches cannot be batched: decoding rows run one at a time")
+            return False
         for row in rows:
-            loaded.model(mx.array([[0]], dtype=mx.int32), cache=row)
+            mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=row))
         batch = [make_batch_cache([row[l] for row in rows]) for l in range(len(rows[0]))]
         mx.eval(loaded.model(mx.array([[1], [2]], dtype=mx.int32), cache=batch))
         return True
     except Exception:  # a model that reads the offset as a Python int, etc.
         logger.warning("batched decode failed on this model: decoding rows run one at a time", exc_info=True)
         return False
+    finally:
+        for row in rows:
+            store.release(row)
 
 
 class RequestTooLarge(ValueError):
@@ -155,11 +154,14 @@ class Engine:
         self.pricing = pricing or make_pricing(loaded, layout, config.prefill_chunk_size)
         self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
                                   batch_prefill=config.batch_prefill)
-        pool = self.runner.store.pool
+        store = self.runner.store
+        pool = store.pool
         budget: StaticBudget = StaticBudget(self._price, config.kv_budget_bytes)
-        if pool is not None:  # KVarN rows in the block pool: shared blocks counted once
+        if pool is not None:  # KVarN rows in the block pool
             block, sink = self.pricing.block_bytes(), self.pricing.window_bytes() // getattr(mx, layout.window_dtype).size
-            if layout.max_kv_size is None:  # windowed rows drop shared blocks and take their own: priced whole
+            # shared blocks counted once where every layer is in the pool; windowed rows drop shared
+            # blocks and take their own, and rows with layers of their own are priced whole
+            if store.exact and layout.max_kv_size is None:
                 budget = PoolBudget(self.pricing, config.kv_budget_bytes,
                                     lambda: pool.records.num_held * block + pool.sinks.num_held * sink,
                                     self.runner.row_records)

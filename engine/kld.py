@@ -28,7 +28,7 @@ from engine.engine import make_layout
 from engine.kv_config import KVConfig
 from engine.loader import LoadedModel
 from kvarn.attention import install_attention_seam
-from kvarn.baselines import make_cache
+from kvarn.rows import make_cache
 from kvarn.layout import KVLayout
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "kld_prompts.json"

@@ -5,7 +5,7 @@ Only the engine thread calls it. A step's prompt chunks of similar lengths run t
 forward of [B, T] tokens right-padded to the longest (``kvarn.batch.ChunkRows`` writes and
 attends each row's own tokens only), the LM head at each row's last token only and only for a
 prompt's last chunk (``engine.forward.Forward``). All decoding rows run as one batch: one forward
-of [B, 1] tokens over a batch cache per layer (``kvarn.batch.make_batch_cache``: one attention
+of [B, 1] tokens over a batch cache per layer (``kvarn.rows.make_batch_cache``: one attention
 graph per layer for rows in the KVarN pool or the baselines' slots), so the weight matmuls are
 shared and every row still attends over exactly its own tokens. The decode batch persists across steps: rows join (``extend``) and
 leave (``filter``) without copying anyone's cache. A decode step is built as lazy MLX graphs and
@@ -30,11 +30,9 @@ from engine.loader import LoadedModel
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import PromptArrays, SampleArrays, SamplerState, make_sampler_state, sample, score_prompt
 from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
-from kvarn.baselines import cache_nbytes
-from kvarn.batch import BatchRows, ChunkRows, make_batch_cache
+from kvarn.batch import BatchRows, ChunkRows
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore
-from kvarn.slots import SlotRow
+from kvarn.rows import RowStore, make_batch_cache, paged_row
 from kvarn.step import forward_context
 
 logger = logging.getLogger(__name__)
@@ -129,23 +127,22 @@ class ModelRunner:
     def kv_nbytes(self) -> int:
         """Bytes the rows hold (blocks shared by several rows counted once)."""
         if self.store.pool is not None:
-            return self.store.pool.held_bytes()
-        return sum(cache_nbytes(row.cache) for row in self.rows.values())
+            return self.store.pool.held_bytes() + sum(self.store.own_nbytes(row.cache) for row in self.rows.values())
+        return sum(c.nbytes for row in self.rows.values() for c in row.cache)
 
     def kv_allocated_bytes(self) -> int:
         """Bytes of the KV storage allocated: the block pool's arrays (free ids included) or the
         slot buffers, plus the caches of rows kept by layer (>= ``kv_nbytes``)."""
         store = self.store
-        if store.pool is not None:
-            return store.pool.nbytes()
-        slots = sum(s.nbytes for s in store.slots or () if s is not None)
-        own = sum(cache_nbytes([c for c in row.cache if not isinstance(c, SlotRow)]) for row in self.rows.values())
-        return slots + own
+        shared = store.pool.nbytes() if store.pool is not None else 0
+        shared += sum(s.nbytes for s in store.slots or () if s is not None)
+        return shared + sum(store.own_nbytes(row.cache) for row in self.rows.values())
 
     def row_records(self, request_id: RequestId) -> int | None:
         """Record blocks a KVarN row in the pool holds (None: no such row yet)."""
         row = self.rows.get(request_id)
-        return len(row.cache[0].row.table) if row is not None and self.store.pool is not None else None
+        paged = paged_row(row.cache) if row is not None else None
+        return len(paged.table) if paged is not None else None
 
     def free(self, request_ids: tuple[RequestId, ...]) -> None:
         """Release rows now (their bytes go with them): the engine frees a row as soon as its

@@ -16,8 +16,8 @@ the cache.
   budget leaves free (``headroom``, up to an optional cap) and admission evicts them
   (``evict_to``) when a request needs the room. Held blocks are the rows' (``engine/budget.py``).
 - **Disk**: ``parts`` reads a block out of the pool for the disk tier's writer (the same block
-  format as before: the sink's float16 keys and values, or a record in ``KVarNKVCache``'s
-  single-tile layout, per layer); ``load`` writes a block read from disk into a free pool block.
+  format: the sink's float16 keys and values, or a record's fields with the unit axes of a
+  one-tile row, ``kvarn.paged.single_tile``, per layer); ``load`` writes a block read from disk into a free pool block.
 
 Engine thread only (it makes MLX arrays)."""
 

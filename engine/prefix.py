@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from apc.blocks import Payload
 from apc.hashing import BlockKey, prompt_keys
@@ -56,11 +55,8 @@ from engine.pool_tier import PoolHit, PoolTier, SinkOf
 from engine.request import Request, RequestId
 from engine.scheduler import PENDING
 from engine.step_types import StepPlan
-from kvarn.baselines import AffineKVCache, FP16KVCache, uses_layout
-from kvarn.cache import Block, KVarNKVCache
 from kvarn.layout import KVLayout
-from kvarn.rotating import AffineRotatingKVCache
-from kvarn.slots import SlotRow
+from kvarn.rows import load_blocks, restore, snapshot, uses_layout
 
 logger = logging.getLogger(__name__)
 
@@ -172,12 +168,8 @@ class PrefixReuse:
         if restore.pool is not None:
             self.pool_tier.adopt(restore.pool, empty[0].row)
             return empty
-        out = []
-        for l, layer in enumerate(empty):
-            blocks = [Block(i, p.kind, p.arrays[l * _WIDTH[p.kind]: (l + 1) * _WIDTH[p.kind]])
-                      for i, p in enumerate(restore.blocks)]
-            out.append(_restore_layer(layer, blocks, self.G))
-        return out
+        return [load_blocks(layer, [p.arrays[l * _WIDTH[p.kind]: (l + 1) * _WIDTH[p.kind]] for p in restore.blocks],
+                            self.G) for l, layer in enumerate(empty)]
 
     # --- after a step ---
     def after_step(self, plan: StepPlan, requests: Mapping[RequestId, Request], rows: Mapping[RequestId, Any]) -> None:
@@ -262,126 +254,22 @@ class PrefixReuse:
             self.cache.put_snapshot(request.prompt_ids[:end], request.cache_salt, payload)
 
 
-def _restore_layer(layer: Any, blocks: list[Block], G: int) -> Any:
-    if isinstance(layer, SlotRow):
-        width = len(blocks[0].arrays) // 2
-        legs = [tuple(mx.concatenate([b.arrays[leg * width + j] for b in blocks], axis=2) for j in range(width))
-                for leg in (0, 1)]
-        keys, values = (leg[0] if width == 1 else leg for leg in legs)
-        layer.load(keys, values, offset=len(blocks) * G)
-        return layer
-    if isinstance(layer, (FP16KVCache, AffineKVCache)):
-        capacity = layer.capacity
-        width = len(blocks[0].arrays) // 2
-        legs = []
-        for leg in (0, 1):
-            parts = [mx.concatenate([b.arrays[leg * width + j] for b in blocks], axis=2) for j in range(width)]
-            legs.append(tuple(_reserve(p, capacity) for p in parts))
-        keys, values = legs
-        layer.keys, layer.values = (keys[0], values[0]) if width == 1 else (keys, values)
-        layer.offset = len(blocks) * G
-        return layer
-    raise TypeError(f"{type(layer).__name__} rows cannot be rebuilt from blocks")
-
-
-def _reserve(array: mx.array, capacity: int | None) -> mx.array:
-    """``array`` [B, H, T, ...] in a buffer of ``capacity`` token slots (the row's reservation)."""
-    tokens = array.shape[2]
-    if capacity is None or capacity <= tokens:
-        return array
-    buffer = mx.zeros((*array.shape[:2], capacity, *array.shape[3:]), array.dtype)
-    return mx.slice_update(buffer, array, mx.array([0]), axes=(2,))
-
-
-# --- whole-row snapshots (checkpoint tier) ---
+# --- whole-row snapshots (checkpoint tier): each storage writes and reads its own (``kvarn.rows``) ---
 
 def save_snapshot(cache: list[Any]) -> Payload | None:
     """A row as one payload: every layer's arrays (copied) and what rebuilds it; None if a
-    layer's cache type is not one this knows."""
-    arrays: list[mx.array] = []
-    metas = []
-    for layer in cache:
-        saved = _save_layer(layer)
-        if saved is None:
-            logger.warning("prefix cache: %s layers cannot be snapshotted", type(layer).__name__)
-            return None
-        meta, layer_arrays = saved
-        metas.append({**meta, "n": len(layer_arrays)})
-        arrays += [mx.array(a) for a in layer_arrays]
+    layer's cache type is not one the storages know."""
+    saved = snapshot(cache)
+    if saved is None:
+        logger.warning("prefix cache: rows of this model cannot be snapshotted")
+        return None
+    metas, arrays = saved
     return Payload("snapshot", tuple(arrays), json.dumps(metas))
 
 
-def _save_layer(layer: Any) -> tuple[dict[str, Any], list[mx.array]] | None:
-    if isinstance(layer, AffineRotatingKVCache):
-        legs, arrays = layer.snapshot()
-        return {"type": "affine_rotating", "legs": legs}, arrays
-    if isinstance(layer, KVarNKVCache):
-        return {"type": "kvarn", "meta": list(layer.meta_state)}, list(layer.state)
-    if isinstance(layer, RotatingKVCache):
-        return ({"type": "rotating", "offset": layer.offset, "keep": layer.keep, "max_size": layer.max_size,
-                 "idx": layer._idx}, [layer.keys, layer.values])
-    if isinstance(layer, SlotRow):
-        n = layer.offset
-        if layer.store.quantized:
-            return {"type": "affine", "offset": n}, [p for leg in layer.state for p in leg]
-        return {"type": "kv", "offset": n}, list(layer.state)
-    if isinstance(layer, QuantizedKVCache):
-        n = layer.offset
-        return ({"type": "affine", "offset": n},
-                [p[..., :n, :] for leg in (layer.keys, layer.values) for p in leg])
-    if isinstance(layer, KVCache):
-        n = layer.offset
-        return {"type": "kv", "offset": n}, [layer.keys[..., :n, :], layer.values[..., :n, :]]
-    if isinstance(layer, ArraysCache):
-        present = [i for i, a in enumerate(layer.cache) if a is not None]
-        return {"type": "arrays", "present": present}, [layer.cache[i] for i in present]
-    return None
-
-
 def load_snapshot(fresh: list[Any], payload: Payload) -> list[Any]:
-    """Fill a fresh row (the model's own cache types, with the row's reservation) from a snapshot."""
-    metas = json.loads(payload.meta)
-    if len(metas) != len(fresh):
-        raise ValueError("snapshot of another model")
-    arrays, at, out = payload.arrays, 0, []
-    for layer, meta in zip(fresh, metas):
-        mine = list(arrays[at: at + meta["n"]])
-        at += meta["n"]
-        out.append(_load_layer(layer, meta, mine))
-    return out
-
-
-def _load_layer(layer: Any, meta: dict[str, Any], arrays: list[mx.array]) -> Any:
-    kind = meta["type"]
-    if kind == "affine_rotating" and isinstance(layer, AffineRotatingKVCache):
-        layer.restore(meta["legs"], arrays)
-        return layer
-    if kind == "kvarn" and isinstance(layer, KVarNKVCache):
-        return KVarNKVCache.from_state(arrays, tuple(meta["meta"]))
-    if kind == "rotating" and isinstance(layer, RotatingKVCache):
-        layer.keys, layer.values = arrays
-        layer.offset, layer.keep, layer.max_size, layer._idx = meta["offset"], meta["keep"], meta["max_size"], meta["idx"]
-        return layer
-    if kind in ("affine", "kv") and isinstance(layer, SlotRow):
-        keys, values = (tuple(arrays[:3]), tuple(arrays[3:])) if kind == "affine" else arrays
-        layer.load(keys, values, offset=meta["offset"])
-        return layer
-    if kind == "affine" and isinstance(layer, QuantizedKVCache):
-        capacity = getattr(layer, "capacity", None)
-        layer.keys = tuple(_reserve(a, capacity) for a in arrays[:3])
-        layer.values = tuple(_reserve(a, capacity) for a in arrays[3:])
-        layer.offset = meta["offset"]
-        return layer
-    if kind == "kv" and isinstance(layer, KVCache):
-        capacity = getattr(layer, "capacity", None)
-        layer.keys, layer.values = (_reserve(a, capacity) for a in arrays)
-        layer.offset = meta["offset"]
-        return layer
-    if kind == "arrays" and isinstance(layer, ArraysCache):
-        for i, a in zip(meta["present"], arrays):
-            layer.cache[i] = a
-        return layer
-    raise ValueError(f"snapshot layer {kind} does not fit a {type(layer).__name__} row")
+    """Fill a fresh row (with the row's reservation) from a snapshot."""
+    return restore(fresh, json.loads(payload.meta), payload.arrays)
 
 
 def exact_tier_possible(row: list[Any]) -> bool:

@@ -12,7 +12,7 @@ unset (chat's default: up to the context) reserve a whole context each.
 
 Per layer, for ``T`` tokens, ``H`` KV heads of ``D`` channels:
 - kvarn: sink + tail buffers (2·G fp16 tokens) + one record per full tile after the sink,
-  exactly what ``KVarNKVCache.nbytes`` reports (``KVLayout.sequence_bytes``);
+  exactly what a paged row's ``nbytes`` reports (``KVLayout.sequence_bytes``);
 - fp16 / affine: the row's buffers are allocated for its reservation at the first token
   (``kvarn.baselines``), so ``nbytes`` is exactly T tokens' worth from the start;
 - with ``--max-kv-size N`` a row is priced at ``min(T, N)`` tokens (``held_tokens``; KVarN

@@ -1,10 +1,9 @@
-"""Per-sequence caches for every layout: KVarN, and the baselines behind the same flags:
-fp16 (mlx-lm ``KVCache``) and affine (mlx-lm ``QuantizedKVCache``, bits and group size).
+"""The baselines' per-row caches outside the engine's slots: fp16 (mlx-lm ``KVCache``) and affine
+(mlx-lm ``QuantizedKVCache``, bits and group size), as ``kvarn.rows.make_cache`` makes them.
 
-The engine gives every row a ``capacity`` (its reservation: prompt + max_tokens). The baselines
-then allocate exactly that many token slots at their first update instead of mlx-lm's 256-token
-steps, whose final size depends on how the prompt was chunked; so their bytes are known up front
-(capacity pricing, ``engine.pricing``). KVarN stores exactly what it holds and needs no capacity.
+A row given a ``capacity`` (its reservation: prompt + max_tokens) allocates exactly that many
+token slots at its first update instead of mlx-lm's 256-token steps, whose final size depends on
+how the prompt was chunked; so its bytes are known up front (capacity pricing, ``engine.pricing``).
 """
 
 from __future__ import annotations
@@ -12,12 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_map
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-
-from kvarn.cache import KVarNKVCache
-from kvarn.layout import KVLayout
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 
 class _Reserved:
@@ -60,54 +55,8 @@ class AffineKVCache(_Reserved, QuantizedKVCache):
         self.capacity = capacity
 
 
-def make_cache(model: nn.Module, layout: KVLayout, capacity: int | None = None) -> list[Any]:
-    """A fresh per-sequence cache (one entry per layer) for ``layout``.
-
-    Only plain full-attention layers (mlx-lm ``KVCache``) take the layout; layers with a cache
-    structure of their own (sliding windows, recurrent state) keep it, unquantized for now. With
-    ``layout.max_kv_size`` fp16 / affine layers are rotating windows (``kvarn.rotating``) and
-    KVarN layers windowed single-stream caches.
-    """
-    return [_for_layer(cache, layout, capacity) for cache in make_prompt_cache(model)]
-
-
-def _for_layer(cache: Any, layout: KVLayout, capacity: int | None) -> Any:
-    if type(cache) is not KVCache:
-        return cache
-    if layout.max_kv_size is not None and layout.scheme != "kvarn":
-        from kvarn.rotating import make_window_cache
-
-        return make_window_cache(layout, capacity)
-    if layout.scheme == "fp16":
-        return FP16KVCache(capacity)
-    if layout.scheme == "affine":
-        return AffineKVCache(layout.group_size, layout.key_bits, capacity)
-    return KVarNKVCache(layout)
-
-
-def uses_layout(cache: Any) -> bool:
-    """Whether a layer cache is one of the layout's caches (others keep their model's own)."""
-    from kvarn.paged import PagedLayer
-    from kvarn.slots import SlotRow
-
-    return isinstance(cache, (KVarNKVCache, FP16KVCache, AffineKVCache, PagedLayer, SlotRow))
-
-
-def count_quantized_layers(model: nn.Module, layout: KVLayout) -> tuple[int, int]:
-    """(layers that use ``layout``, windowed fp16 / affine rows included, all layers)."""
-    from kvarn.rotating import WINDOW_CACHES
-
-    caches = make_cache(model, layout)
-    return sum(uses_layout(c) or isinstance(c, WINDOW_CACHES) for c in caches), len(caches)
-
-
-def fork_cache(cache: list[Any]) -> list[Any]:
-    """A second row with the same history (``n > 1``): no re-prefill, no re-quantization."""
-    return [layer.fork() if hasattr(layer, "fork") else _fork_other(layer) for layer in cache]
-
-
-def _fork_other(layer: Any) -> Any:
-    """Any other mlx-lm cache (sliding window, recurrent state): a shallow copy whose arrays are
+def fork_other(layer: Any) -> Any:
+    """A fork of any other mlx-lm cache (sliding window, recurrent state): a shallow copy whose arrays are
     new handles on the same buffers, so an in-place write of either copies instead of sharing."""
     def handle(value: Any) -> Any:
         if isinstance(value, mx.array):
@@ -119,7 +68,3 @@ def _fork_other(layer: Any) -> Any:
     other = type(layer).__new__(type(layer))
     other.__dict__.update({name: handle(value) for name, value in layer.__dict__.items()})
     return other
-
-
-def cache_nbytes(cache: list[Any]) -> int:
-    return sum(c.nbytes for c in cache)

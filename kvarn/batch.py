@@ -1,15 +1,16 @@
-"""Batches of rows for the decode step: ``BatchKVarNKVCache`` and the fp16 / affine baselines.
+"""Rows of one layer in one forward, each attending its own cache: the generic batch.
 
-A batch cache holds, per layer, the caches of the rows decoding together. Every row keeps its
-own single-stream cache (``KVarNKVCache``: its sink, records and tail aligned to its own token
-positions, so tiles never straddle rows), and the batch only points at them:
+Rows in the KVarN pool and in the baselines' slots decode through batches of their own (one
+graph per layer: ``kvarn.paged_batch.PagedBatch``, ``kvarn.slots.SlotBatch``; ``kvarn.rows``
+picks). ``BatchRows`` serves every other cache (sliding windows, rotating windows, rows made
+outside the engine), and ``ChunkRows`` runs several rows' prompt chunks in one forward. The
+batch only points at the rows' caches:
 
-    batch (one layer)   row 0: [sink | r0 r1 r2 | tail ]     offset 410
-                        row 1: [sink | tail]                  offset 150
-                        row 2: [sink | r0 .. r30 | tail]      offset 4,001
+    batch (one layer)   row 0: offset 410
+                        row 1: offset 150
+                        row 2: offset 4,001
 
-- ``extend`` / ``filter``: rows join and leave between steps; no row's records are copied
-  (a prefilled single-stream cache becomes a row as is, without re-quantizing);
+- ``extend`` / ``filter``: rows join and leave between steps; no row's cache is copied;
 - ``offset``: per-row RoPE offsets (an int32 array, one per row), which mlx-lm models pass
   to ``mx.fast.rope`` as is;
 - ``update_and_fetch``: each row takes its own key/value and commits a tile at its own step;
@@ -27,9 +28,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from kvarn.baselines import AffineKVCache, FP16KVCache
-from kvarn.cache import KVarNKVCache
-
 
 @dataclass(frozen=True)
 class RowMasks:
@@ -43,7 +41,9 @@ class BatchRows(_BaseCache):
 
     row_type: type | tuple[type, ...] = object
 
-    def __init__(self, rows: Iterable[Any] = ()) -> None:
+    def __init__(self, rows: Iterable[Any] = (), row_type: type | tuple[type, ...] | None = None) -> None:
+        if row_type is not None:
+            self.row_type = row_type
         self.rows: list[Any] = []
         self.fetched: list[tuple[Any, Any]] = []
         self.extend(rows)
@@ -130,38 +130,6 @@ class ChunkRows(BatchRows):
 
     def filter(self, keep: Sequence[int]) -> None:
         raise NotImplementedError("a chunk batch lives for one forward")
-
-
-class BatchKVarNKVCache(BatchRows):
-    row_type = KVarNKVCache
-
-
-class BatchFP16KVCache(BatchRows):
-    row_type = FP16KVCache
-
-
-class BatchAffineKVCache(BatchRows):
-    row_type = AffineKVCache
-
-
-_BY_ROW = {KVarNKVCache: BatchKVarNKVCache, FP16KVCache: BatchFP16KVCache, AffineKVCache: BatchAffineKVCache}
-
-
-def make_batch_cache(layer_rows: Sequence[Any]) -> Any:
-    """The batch cache for one layer's rows: one graph for all rows of paged KVarN rows
-    (``kvarn.paged_batch.PagedBatch``), else rows attending one by one (layers outside the layout,
-    e.g. sliding windows, batch their own cache type through the generic ``BatchRows``); one
-    fused attention for the fp16/affine baselines' slot rows (``kvarn.slots.SlotBatch``)."""
-    from kvarn.paged import PagedLayer
-    from kvarn.paged_batch import PagedBatch
-    from kvarn.slots import SlotBatch, SlotRow
-
-    if layer_rows and isinstance(layer_rows[0], PagedLayer):
-        return PagedBatch(layer_rows)
-    if layer_rows and isinstance(layer_rows[0], SlotRow):
-        return SlotBatch(layer_rows)
-    cls = _BY_ROW.get(type(layer_rows[0]), BatchRows) if layer_rows else BatchRows
-    return cls(layer_rows)
 
 
 def batch_attention(attend: Any, queries: mx.array, cache: BatchRows, scale: float, mask: Any,

@@ -1,21 +1,22 @@
-"""Paged KVarN rows: a row is a block table into the pool (``kvarn.pool``) and a window slot (its
-float16 sink and tail); one cache object per layer for a whole decode batch.
+"""Paged KVarN rows, the one KVarN storage: a row is a block table into the pool (``kvarn.pool``)
+and a window slot (its float16 sink and tail); one cache object per layer, speaking mlx-lm's
+cache protocol, for a row's prompt chunks and lone decode tokens (a decode batch runs one graph
+per layer for all rows: ``kvarn.paged_batch``).
 
     row (all layers)   table [b3 b9 b4]  window w5  (ids shared by every layer)
     layer view         PagedLayer(row, l): offset, committed tiles, the latest chunk (prefill)
     decode batch       PagedBatch([views of layer l]): one graph per layer for all rows
 
-A row's tokens are ``[sink | record 0 .. record n-1 | tail]`` exactly as in ``KVarNKVCache``
-(the single-stream cache, which stays the reference): keys and values rotated and rounded to
-float16 on arrival, the first G tokens in the sink, a record committed each time the tail holds a
-full tile. A commit quantizes the full tail straight into a free block (no history is copied); a
-fork copies the table and counts its blocks; ``trim`` touches the tail only.
+A row's tokens are ``[sink | record 0 .. record n-1 | tail]``: keys and values rotated and
+rounded to float16 on arrival, the first G tokens in the sink, a record committed each time the
+tail holds a full tile, so a record depends only on its own G tokens (byte-identical however the
+prompt was chunked). A commit quantizes the full tail straight into a free block (no history is
+copied); a fork copies the table and counts its blocks; ``trim`` touches the tail only; a
+snapshot copies the row out (window and records) and ``restore`` writes it into a fresh row.
 
 Block ids are taken by the first layer that commits a tile (``PagedRow.block_for``) and reused by
-the others, so one table serves every layer.
-
-A whole decode batch (``PagedBatch``), its one graph per layer and the attention entry for paged
-caches are in ``kvarn.paged_batch``.
+the others, so one table serves every layer. A row made outside the engine (``kvarn.rows.make_cache``:
+tests, ``kvarn kld``) is a row of a pool of its own.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvarn.cache import Chunk, KVarNRowProtocol
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from kvarn.chunk_attention import Chunk
 from kvarn.layout import KVLayout
-from kvarn.pool import (RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks,
-                        record_shapes)
-from kvarn.quantize import rotate
-from kvarn.record import RecordArrays
+from kvarn.paged_step import StepIndex, decode_update, rounded
+from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks, \
+    record_shapes
 from kvarn.window import evicted_records
 
 
@@ -110,6 +112,47 @@ class PagedRow:
             other.offset, other.tail_len, other.num_tiles = view.offset, view.tail_len, view.num_tiles
         return child
 
+    # --- whole-row snapshots (the prefix cache's checkpoint tier, for models with layers of their own) ---
+    def snapshot(self) -> tuple[dict[str, Any], list[mx.array]]:
+        """The row copied out of the pool: for each layer it has written, its window (sink and tail,
+        [1, H, 2G, D]) and its records (block-major fields [n, ...], the table's order), with each
+        view's counters; what ``restore`` writes into a fresh row."""
+        table = mx.array(self.table, dtype=mx.int32) if self.table else None
+        written = [l for l in self.layers if self.pool.shapes[l] is not None]
+        arrays: list[mx.array] = []
+        for l in written:
+            a = self.pool.layers[l]
+            arrays += [mx.array(a.win_k[self.slot: self.slot + 1]), mx.array(a.win_v[self.slot: self.slot + 1])]
+            if table is not None:
+                arrays += [mx.array(a.records[name][table]) for name in RECORD_FIELDS]
+        meta = {"first": self.first, "records": len(self.table), "written": written,
+                "views": {str(l): [v.offset, v.tail_len, v.num_tiles] for l, v in self.layers.items()}}
+        return meta, arrays
+
+    def restore(self, meta: dict[str, Any], arrays: Sequence[mx.array]) -> None:
+        """Write a ``snapshot`` into this fresh row (new blocks, this row's window): it then holds
+        what the snapshotted row held, byte for byte."""
+        if self.table or any(v.offset for v in self.layers.values()):
+            raise ValueError("a snapshot is restored into a fresh row")
+        if sorted(meta["views"], key=int) != sorted(map(str, self.layers), key=int):
+            raise ValueError("a snapshot of a row with other layers")
+        n = meta["records"]
+        self.first, self.table = meta["first"], self.pool.allocate("records", n) if n else []
+        width = 2 + (len(RECORD_FIELDS) if n else 0)
+        if len(arrays) != width * len(meta["written"]):
+            raise ValueError("a snapshot with missing arrays")
+        for i, l in enumerate(meta["written"]):
+            parts = arrays[i * width: (i + 1) * width]
+            _, H, _, D = parts[0].shape
+            a = self.pool.ensure_layer(l, H, D)
+            a.win_k[self.slot: self.slot + 1] = parts[0].astype(self.pool.window_dtype)
+            a.win_v[self.slot: self.slot + 1] = parts[1].astype(self.pool.window_dtype)
+            if n:
+                self.pool.write_records(l, self.table, dict(zip(RECORD_FIELDS, parts[2:])))
+        for l, (offset, tail_len, num_tiles) in meta["views"].items():
+            view = self.layers[int(l)]
+            view.offset, view.tail_len, view.num_tiles, view.chunk = offset, tail_len, num_tiles, None
+
     def release(self) -> None:
         """Give the row's blocks and window back (idempotent)."""
         if self.released:
@@ -123,12 +166,6 @@ class PagedRow:
         self.table = []
 
 
-def _rounded(x: mx.array, dtype: mx.Dtype) -> mx.array:
-    """Keys or values rotated and rounded to float16 (the contract), held in the window's dtype."""
-    out = rotate(x.astype(mx.float32)).astype(STORE_DTYPE)
-    return out if dtype == STORE_DTYPE else out.astype(dtype)
-
-
 def _copy_slot(buffer: mx.array, src: int, dst: int) -> mx.array:
     """``buffer`` with entry ``dst`` := entry ``src`` (the piece is copied and evaluated first, so
     the write does not hold a view of the buffer it writes and MLX updates it in place)."""
@@ -139,8 +176,8 @@ def _copy_slot(buffer: mx.array, src: int, dst: int) -> mx.array:
 
 
 def single_tile(fields: dict[str, mx.array]) -> tuple[mx.array, ...]:
-    """One block's block-major fields in ``RecordArrays``'s single-tile layout (the prefix
-    cache's block format, shared with ``KVarNKVCache``)."""
+    """One block's block-major fields as the prefix cache stores a block (its disk format: each
+    field with the unit axes of a one-tile row)."""
     k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c = (fields[n] for n in RECORD_FIELDS)
     return (k_codes[None], k_alpha[None, ..., None], k_beta[None, ..., None], k_r[None], v_codes[None, :, None],
             v_alpha[None, :, None], v_beta[None, :, None], v_c[None, :, None])
@@ -171,13 +208,15 @@ def block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
             "v_codes": v_codes[:, :, 0], "v_alpha": v_alpha[:, :, 0], "v_beta": v_beta[:, :, 0], "v_c": v_c[:, :, 0]}
 
 
-class PagedLayer(KVarNRowProtocol):
-    """Layer ``l`` of a paged row, speaking mlx-lm's cache protocol (one row's prompt chunks run
-    through it; decode runs through ``PagedBatch``). Invariants as ``KVarNKVCache``: ``offset`` =
-    tokens seen; the sink holds ``min(offset, G)``; ``num_tiles`` records were committed (the
-    true count: positions follow from it), ``num_tiles * G`` tokens; the tail holds ``tail_len``
-    < G; trim is tail-only. A windowed row's table holds only records ``row.first ..``
-    (``PagedRow.kept``: the ones this view attends)."""
+class PagedLayer(_BaseCache):
+    """Layer ``l`` of a paged row, speaking mlx-lm's cache protocol (one row's prompt chunks and
+    lone decode tokens run through it; a decode batch runs through ``PagedBatch``). Invariants:
+    ``offset`` = tokens seen; the sink holds ``min(offset, G)``; ``num_tiles`` records were
+    committed (the true count: positions follow from it), ``num_tiles * G`` tokens; the tail holds
+    ``tail_len`` < G; trim is tail-only (tokens in the sink or a committed record stay). A
+    windowed row's table holds only records ``row.first ..`` (``PagedRow.kept``: the ones this
+    view attends). ``update_and_fetch`` returns the view itself: attention reads the row's
+    storage (``kvarn.paged_batch.paged_attention``)."""
 
     def __init__(self, row: PagedRow, l: int) -> None:
         self.row = row
@@ -186,17 +225,40 @@ class PagedLayer(KVarNRowProtocol):
         self.tail_len = 0
         self.num_tiles = 0
         self.chunk: Chunk | None = None
-        self.index: Any = None  # a lone decode token's step index (``decode_update``), for its attention
+        self.index: StepIndex | None = None  # a lone decode token's step index, for its attention
 
     @property
     def layout(self) -> KVLayout:
         return self.row.pool.layout
 
+    # --- mlx-lm's cache protocol ---
+    @property
+    def sink_len(self) -> int:
+        return min(self.offset, self.layout.tile_size)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Remove up to ``n`` newest tokens, from the tail only; returns how many were removed."""
+        removable = self.tail_len if self.offset > self.layout.tile_size else 0
+        n = min(n, removable)
+        self.tail_len -= n
+        self.offset -= n
+        return n
+
     # --- writing (one row, any number of tokens) ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if keys.shape[2] == 1 and self.offset > 0:
-            from kvarn.paged_batch import decode_update
-
             self.index = decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
             self.chunk = None
             return self, self
@@ -205,10 +267,30 @@ class PagedLayer(KVarNRowProtocol):
         self.write_chunk(keys, values)
         return self, self
 
-    def _window_for(self, keys: mx.array) -> mx.Dtype:
+    def write_chunk(self, keys: mx.array, values: mx.array) -> None:
+        """Tokens ``[offset, offset + L)``: rotated and rounded to float16, the first G into the
+        sink, the rest after the tail (committing every full tile); where they sit is kept for
+        the chunk's attention (``Chunk``)."""
+        L = keys.shape[2]
+        G = self.layout.tile_size
+        start = self.offset
         _, H, _, D = keys.shape
         self.row.pool.ensure_layer(self.l, H, D)
-        return self.row.pool.window_dtype
+        dtype = self.row.pool.window_dtype  # float16 values (held as float32 on the CPU)
+        k_rot, v_rot = rounded(keys, dtype), rounded(values, dtype)
+        used = 0
+        if start < G:
+            used = min(G - start, L)
+            self._write_sink(k_rot[..., :used, :], v_rot[..., :used, :], start)
+        window = (None, None)
+        if used < L:
+            window = self._append_tail(k_rot[..., used:, :], v_rot[..., used:, :])
+        if L == 1 and start > 0:  # a decode token: decode reads the tail itself
+            self.chunk = None
+        else:
+            window_start = start + used - (window[0].shape[2] - (L - used) if window[0] is not None else 0)
+            self.chunk = Chunk(start=start, window_start=window_start, window_k=window[0], window_v=window[1])
+        self.offset += L
 
     def _write_sink(self, k_rot: mx.array, v_rot: mx.array, start: int) -> None:
         a, s = self.row.pool.layers[self.l], self.row.slot
@@ -260,8 +342,8 @@ class PagedLayer(KVarNRowProtocol):
 
     @property
     def nbytes(self) -> int:
-        """What this row holds in this layer, as ``KVarNKVCache`` counts it: sink + tail (G float16
-        tokens each, K and V) once written, plus its records."""
+        """What this row holds in this layer: sink + tail (G float16 tokens each, K and V) once
+        written, plus its records (``KVLayout.sequence_bytes``, what capacity pricing charges)."""
         shape = self.row.pool.shapes[self.l]
         if self.offset == 0 or shape is None:
             return 0
@@ -280,29 +362,3 @@ class PagedLayer(KVarNRowProtocol):
     @property
     def meta_state(self) -> tuple[str, ...]:
         return tuple(map(str, (self.offset, self.tail_len, self.num_tiles)))
-
-
-def fork_rows(cache: list[Any]) -> list[Any]:
-    """A row's per-layer caches forked: paged layers through their row (once for all layers)."""
-    from kvarn.baselines import fork_cache
-
-    forked: dict[int, PagedRow] = {}
-    out = []
-    for layer in cache:
-        if isinstance(layer, PagedLayer):
-            row = forked.get(id(layer.row))
-            if row is None:
-                row = forked[id(layer.row)] = layer.row.fork()
-            out.append(row.layers[layer.l])
-        else:
-            out.append(fork_cache([layer])[0])
-    return out
-
-
-def as_record_arrays(fields: dict[str, mx.array]) -> RecordArrays:
-    """Block-major fields of n blocks [n, ...] as one row's ``RecordArrays`` (the single-stream
-    layout), for comparing the pool with ``KVarNKVCache`` byte for byte."""
-    singles = [single_tile({k: v[i] for k, v in fields.items()}) for i in range(fields["k_codes"].shape[0])]
-    axes = {"k_codes": 4, "k_alpha": 4, "k_beta": 4, "k_r": 3, "v_codes": 2, "v_alpha": 2, "v_beta": 2, "v_c": 2}
-    return RecordArrays(**{name: mx.concatenate([s[j] for s in singles], axis=axes[name])
-                           for j, name in enumerate(RECORD_FIELDS)})

@@ -139,8 +139,8 @@ def _reference(*, keys: mx.array, values: mx.array, key_bits: int, value_bits: i
 
 
 def quantize_blocks_reference(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:
-    """The pure-MLX quantizer: the same quantizer as ``kvarn.record.quantize_tiles`` on the same
-    tiles (so the same codes and factors, byte for byte: tested), laid out block-major, through
+    """The pure-MLX quantizer (``kvarn.quantize``: each tile on its own, the same codes and factors
+    as the paper's reference in ``tests/kvarn/reference.py``, tested), laid out block-major, through
     ``mx.compile``: the ~200 small operations of the quantizer are built once and fused instead of
     built in Python at every commit, for tile counts padded to a power of two (tiles are quantized
     independently, so the zero padding changes nothing; on CUDA each compiled shape costs a JIT

@@ -1,6 +1,7 @@
 """The import rules of docs/architecture.md ("Packages"), checked by parsing every module."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,81 @@ def test_the_state_checks_see_what_they_forbid(tmp_path):
     assert [w.split(":")[0] for w in state_writes(sample)] == ["4", "5", "6", "12"]
     assert switch_names(sample) == ["5: RECIPROCAL_DIVISION"]
     assert [w.split(":")[0] for w in empty_module_containers(sample)] == ["8", "9"]
+
+
+# ---- no import circles: every import counts (deferred ones too), so none can break a circle ----
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """Project modules ``path`` imports anywhere in its body (inside functions too), except under
+    ``if TYPE_CHECKING:`` (annotations only, never run). ``from pkg import name`` counts as an
+    import of ``pkg.name`` where that is a module, else of ``pkg``."""
+    tree = ast.parse(path.read_text(), str(path))
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in known:
+            subs = {f"{node.module}.{a.name}" for a in node.names} & known
+            found.update(subs or {node.module})
+            if len(subs) < len(node.names):
+                found.add(node.module)
+    return found - {module_name(path)}
+
+
+def import_cycles(files: list[Path]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (Tarjan), as sorted names."""
+    known = {module_name(f) for f in files}
+    graph = {module_name(f): imports_of(f, known) for f in files}
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("package", ["server", "engine", "kvarn", "apc", "metal", "e2e"])
+def test_no_import_circles(package):
+    files = [f for f in sorted((ROOT / package).rglob("*.py"))]
+    assert import_cycles(files) == []
+
+
+def test_the_circle_check_sees_a_deferred_circle(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.a import g\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import g\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_cycles(sorted(pkg.glob("*.py"))) == [["pkg.a", "pkg.b"]]

@@ -13,8 +13,11 @@ from engine.engine import RequestTooLarge, make_engine, make_layout, make_pricin
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
-from kvarn.baselines import cache_nbytes, make_cache
-from kvarn.batch import make_batch_cache
+from kvarn.rows import RowStore, make_batch_cache, make_cache
+
+
+def cache_nbytes(cache: list) -> int:
+    return sum(layer.nbytes for layer in cache)
 
 NO_APC = ApcConfig(enabled=False)
 
@@ -167,8 +170,9 @@ def test_priced_bytes_equal_measured_bytes_single_and_batched(loaded, arm):
     # batched: rows of different reservations, filled through batched decode steps
     targets = [130, 140, 257]
     rows = []
+    store = RowStore(model, layout)  # KVarN rows batch in one pool
     for target in targets:
-        cache = make_cache(model, layout, capacity=target)
+        cache = store.new_row(target) if layout.scheme == "kvarn" else make_cache(model, layout, capacity=target)
         model(mx.array([rng.integers(16, 8000, 120).tolist()]), cache=cache)
         rows.append(cache)
     live = list(range(len(rows)))

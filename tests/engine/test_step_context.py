@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import kvarn.attention as attention
-import kvarn.paged_batch as paged_batch
+import kvarn.chunk_attention as chunk_attention
+import kvarn.paged_step as paged_step
 import kvarn.slots as slots
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
@@ -48,7 +48,7 @@ def test_a_decode_forward_makes_its_shared_arrays_once(loaded, monkeypatch, arm)
         engine.add_request(Request(RequestId(f"r{i}"), prompt, SamplingParams(max_tokens=8, temperature=0.0,
                                                                              ignore_eos=True)))
     engine.step()  # the prompts, in one step
-    made = Counter(monkeypatch, paged_batch, "_step_index") if arm == "kvarn-k4v2" \
+    made = Counter(monkeypatch, paged_step, "_step_index") if arm == "kvarn-k4v2" \
         else Counter(monkeypatch, slots, "_flat_rows")
     forwards = 3
     for _ in range(forwards):
@@ -61,7 +61,7 @@ def test_a_prompt_chunk_builds_its_mask_once_for_all_layers(loaded, monkeypatch)
     """A KVarN prompt chunk's attention mask is made once a forward and shared by the layers (two
     rows' chunks at different positions in one forward get one each)."""
     engine = make_engine(loaded, CONFIG, KVConfig("kvarn", 4, 2), ApcConfig(enabled=False))
-    masks = Counter(monkeypatch, attention, "chunk_view_mask")
+    masks = Counter(monkeypatch, chunk_attention, "chunk_view_mask")
     engine.add_request(Request(RequestId("a"), list(range(16, 216)), SamplingParams(max_tokens=1)))
     engine.add_request(Request(RequestId("b"), list(range(300, 480)), SamplingParams(max_tokens=1)))
     engine.step()

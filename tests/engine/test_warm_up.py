@@ -29,7 +29,7 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_the_engine_as_it_was(loaded,
     run = engine.runner.run
     monkeypatch.setattr(engine.runner, "run", lambda plan, requests: (plans.append(plan), run(plan, requests))[1])
     tails = pool_mod.quantize_window_tails
-    monkeypatch.setattr("kvarn.paged_batch.quantize_window_tails",
+    monkeypatch.setattr("kvarn.paged_step.quantize_window_tails",
                         lambda win_k, win_v, slots, layout: (commits.append(slots.shape[0]),
                                                              tails(win_k, win_v, slots, layout))[1])
     before = engine.prefix_cache_counters()
