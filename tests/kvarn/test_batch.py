@@ -1,6 +1,7 @@
-"""Batch caches (kvarn/batch.py): rows with per-row starts, extend/filter without copies, per-row
-RoPE offsets, per-row commits byte-identical to a row alone, forks, and batched decode through
-mlx-lm models (the bundled model for every layout; gemma3 with sliding-window layers)."""
+"""Batch caches (kvarn/batch.py, kvarn/paged_batch.py, kvarn/rows.py): rows with per-row starts,
+extend/filter without copies, per-row RoPE offsets, records byte-identical whichever batch
+produced them, forks, and batched decode through mlx-lm models (the bundled model for every
+layout; gemma3 with sliding-window layers)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvarn.attention import install_attention_seam, kvarn_attention
-from kvarn.baselines import AffineKVCache, FP16KVCache, fork_cache, make_cache
-from kvarn.batch import BatchKVarNKVCache, BatchRows, RowMasks, make_batch_cache
-from kvarn.cache import KVarNKVCache
+from kvarn.attention import install_attention_seam
+from kvarn.baselines import AffineKVCache, FP16KVCache
+from kvarn.batch import BatchRows, RowMasks
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore
+from kvarn.paged import PagedLayer
+from kvarn.paged_batch import PagedBatch
+from kvarn.rows import RowStore, make_batch_cache, make_cache
+from tests.kvarn.row_contents import Fed, assert_row_holds, assert_same_bytes, row_contents
 from tests.kvarn.test_models import build
 
 H, D, G = 2, 128, 64
@@ -26,29 +29,34 @@ def kv(rng: np.random.Generator, n: int, rows: int = 1) -> tuple[mx.array, mx.ar
             mx.array((rng.standard_normal(shape) * 0.5).astype(np.float32)))
 
 
-def arrays(cache: KVarNKVCache) -> list[np.ndarray]:
-    mx.eval(cache.state)
-    return [np.array(a) for a in cache.state]
+def engine_rows(n: int) -> list[PagedLayer]:
+    """Layer 0 of ``n`` rows of one ``RowStore`` (one pool: what a ``PagedBatch`` takes)."""
+    store = RowStore(build("llama"), LAYOUT)
+    return [store.new_row(None)[0] for _ in range(n)]
 
 
-def assert_bytes_equal(a: KVarNKVCache, b: KVarNKVCache) -> None:
-    assert (a.offset, a.tail_len, a.records.num_tiles) == (b.offset, b.tail_len, b.records.num_tiles)
-    for x, y in zip(arrays(a), arrays(b), strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+def alone_row() -> PagedLayer:
+    """Layer 0 of a row of a pool of its own (``make_cache``), which decodes alone."""
+    return make_cache(build("llama"), LAYOUT)[0]
 
 
 def test_rows_commit_byte_identical_records_alone_or_batched():
     """Ragged rows (5, 130 and 300 tokens before the batch; one joins later, one leaves early)
-    decode 150 steps through the batch; each ends byte-identical to the same K/V fed alone."""
+    decode 150 steps through one paged batch of one pool; each ends byte-identical to the same
+    K/V fed alone to a row of a pool of its own, one token at a time, and holds exactly its
+    tokens."""
     rng = np.random.default_rng(0)
     starts = [5, 130, 300, 70]
-    batched = [KVarNKVCache(LAYOUT) for _ in starts]
-    alone = [KVarNKVCache(LAYOUT) for _ in starts]
-    for n, b, a in zip(starts, batched, alone):
+    batched = engine_rows(len(starts))
+    alone = [alone_row() for _ in starts]
+    fed = [Fed() for _ in starts]
+    for n, b, a, tokens in zip(starts, batched, alone, fed):
         k, v = kv(rng, n)
         b.update_and_fetch(k, v)
         a.update_and_fetch(k, v)
-    batch = BatchKVarNKVCache(batched[:3])
+        tokens.add(k, v)
+    batch = make_batch_cache(batched[:3])
+    assert type(batch) is PagedBatch
     live = [0, 1, 2]
     for step in range(150):
         if step == 40:  # row 3 joins as it is (its prefilled records are not re-quantized)
@@ -62,43 +70,52 @@ def test_rows_commit_byte_identical_records_alone_or_batched():
         batch.update_and_fetch(k, v)
         for b, i in enumerate(live):
             alone[i].update_and_fetch(k[b: b + 1], v[b: b + 1])
-    for a, b in zip(alone, batched):
-        assert b.records.num_tiles > 0
-        assert_bytes_equal(a, b)
+            fed[i].add(k[b: b + 1], v[b: b + 1])
+    for a, b, tokens in zip(alone, batched, fed):
+        assert b.num_tiles > 0
+        assert_same_bytes(row_contents(b), row_contents(a))
+        assert_row_holds(b, *tokens.all())
 
 
 def test_extend_and_filter_keep_rows_and_records_as_they_are():
     rng = np.random.default_rng(1)
-    rows = [KVarNKVCache(LAYOUT) for _ in range(3)]
+    rows = engine_rows(3)
     for n, row in zip((200, 64 * 3 + 1, 90), rows):
         row.update_and_fetch(*kv(rng, n))
-    records = [row.records.arrays for row in rows]
-    batch = BatchKVarNKVCache(rows[:2])
+    tables = [list(row.row.table) for row in rows]
+    before = [row_contents(row) for row in rows]
+    batch = PagedBatch(rows[:2])
     batch.extend([rows[2]])
     batch.filter([2, 0])
     assert batch.rows[0] is rows[2] and batch.rows[1] is rows[0] and len(batch) == 2
-    assert rows[0].records.arrays is records[0] and rows[2].records.arrays is records[2]
+    assert batch.index is None
+    for row, table, contents in zip(rows, tables, before):
+        assert row.row.table == table
+        assert_same_bytes(row_contents(row), contents)
     assert batch.nbytes == rows[0].nbytes + rows[2].nbytes
 
 
 def test_batch_attention_equals_each_row_alone():
+    """Through the seam: a paged batch's one graph gives each row what a fork of it decoding
+    alone gets (the same step through a batch of one)."""
     install_attention_seam_for_tests()
     rng = np.random.default_rng(2)
-    rows = [KVarNKVCache(LAYOUT) for _ in range(3)]
+    rows = engine_rows(3)
     for n, row in zip((10, 150, 400), rows):
         row.update_and_fetch(*kv(rng, n))
-    forks = [row.fork() for row in rows]
+    forks = [RowStore.fork([row])[0] for row in rows]
     k, v = kv(rng, 1, rows=3)
     q = mx.array(rng.standard_normal((3, 4, 1, D)).astype(np.float32))
-    batch = BatchKVarNKVCache(rows)
+    batch = PagedBatch(rows)
     batch.update_and_fetch(k, v)
     from mlx_lm.models import base
 
     out = base.scaled_dot_product_attention(q, batch, batch, cache=batch, scale=D ** -0.5, mask=None)
     for b, fork in enumerate(forks):
-        fork.update_and_fetch(k[b: b + 1], v[b: b + 1])
-        want = kvarn_attention(q[b: b + 1], fork, D ** -0.5, None)
-        assert np.array_equal(np.array(out[b: b + 1]), np.array(want))
+        got_k, got_v = fork.update_and_fetch(k[b: b + 1], v[b: b + 1])
+        want = base.scaled_dot_product_attention(q[b: b + 1], got_k, got_v, cache=fork, scale=D ** -0.5, mask=None)
+        np.testing.assert_allclose(np.array(out[b: b + 1]), np.array(want), rtol=0, atol=2e-5)
+        assert_same_bytes(row_contents(fork), row_contents(rows[b]))
 
 
 def install_attention_seam_for_tests() -> None:
@@ -108,16 +125,18 @@ def install_attention_seam_for_tests() -> None:
 
 def test_fork_shares_history_and_diverges_without_touching_the_parent():
     rng = np.random.default_rng(3)
-    parent = KVarNKVCache(LAYOUT)
+    parent = engine_rows(1)[0]
     parent.update_and_fetch(*kv(rng, 3 * G + 10))
-    before = arrays(parent)
-    child = parent.fork()
-    assert child.records.arrays is parent.records.arrays and child.sink_k is parent.sink_k
+    before = row_contents(parent)
+    pool = parent.row.pool
+    child = RowStore.fork([parent])[0]
+    assert child.row.table == parent.row.table and all(pool.records.refs[b] == 2 for b in parent.row.table)
+    assert child.row.slot != parent.row.slot
+    assert_same_bytes(row_contents(child), before)
     for _ in range(2 * G):  # the child commits two records of its own
         child.update_and_fetch(*kv(rng, 1))
-    assert child.records.num_tiles == parent.records.num_tiles + 2
-    for x, y in zip(before, arrays(parent), strict=True):
-        assert x.tobytes() == y.tobytes()
+    assert child.num_tiles == parent.num_tiles + 2
+    assert_same_bytes(row_contents(parent), before)
 
 
 @pytest.mark.parametrize("cls", [FP16KVCache, AffineKVCache])
@@ -146,9 +165,20 @@ def test_reserved_baselines_allocate_their_capacity_once():
 
 def test_a_batch_takes_only_its_row_type():
     with pytest.raises(TypeError):
-        BatchKVarNKVCache([FP16KVCache()])
-    assert type(make_batch_cache([FP16KVCache()])).__name__ == "BatchFP16KVCache"
-    assert type(make_batch_cache([AffineKVCache(64, 4)])).__name__ == "BatchAffineKVCache"
+        PagedBatch([FP16KVCache()])
+    with pytest.raises(TypeError):
+        BatchRows([FP16KVCache()], row_type=AffineKVCache)
+    for row, other in ((FP16KVCache(), AffineKVCache(64, 4)), (AffineKVCache(64, 4), FP16KVCache())):
+        batch = make_batch_cache([row])
+        assert type(batch) is BatchRows and batch.row_type is type(row) and batch.rows == [row]
+        with pytest.raises(TypeError):
+            batch.extend([other])
+    rows = engine_rows(2)
+    assert type(make_batch_cache(rows)) is PagedBatch
+    with pytest.raises(ValueError, match="one layer of one pool"):
+        PagedBatch([rows[0], alone_row()])  # rows of another pool
+    with pytest.raises(ValueError, match="one layer of one pool"):
+        PagedBatch([rows[0], rows[1].row.layers[1]])  # another layer
 
 
 def test_row_masks_split_per_row():
@@ -168,8 +198,8 @@ def decode_alone_and_batched(model, layout: KVLayout, prompts: list[list[int]], 
     """Prefill each prompt alone, then decode ``steps`` greedy tokens with all rows as one batch
     of the engine's rows (``RowStore``: paged KVarN rows, one graph per layer) and, as the
     reference, either every row alone (``"alone"``: B = 1 forwards) or the same [B, 1] forwards
-    over single-stream rows that attend one by one (``"rows"``: only the attention differs);
-    returns both logits [steps, rows, vocab]."""
+    over rows made outside the engine (``make_cache``) that attend one by one (``"rows"``:
+    ``BatchRows``, only the attention differs); returns both logits [steps, rows, vocab]."""
     store = RowStore(model, layout)
     caches, forks, first = [], [], []
     for prompt in prompts:
@@ -181,7 +211,7 @@ def decode_alone_and_batched(model, layout: KVLayout, prompts: list[list[int]], 
         forks.append(single)
         first.append(int(mx.argmax(logits).item()))
     batch = [make_batch_cache([c[layer] for c in caches]) for layer in range(len(caches[0]))]
-    per_row = [make_batch_cache([c[layer] for c in forks]) for layer in range(len(forks[0]))]
+    per_row = [BatchRows([c[layer] for c in forks], row_type=type(forks[0][layer])) for layer in range(len(forks[0]))]
     tokens = list(first)
     tokens_alone = list(first)
     got, want = [], []
@@ -209,12 +239,13 @@ def decode_alone_and_batched(model, layout: KVLayout, prompts: list[list[int]], 
 # So the bundled model's rows are compared with the same [B, 1] forwards over rows that attend one
 # by one: the projections round the same on both sides and what differs is the attention (one
 # graph for all rows vs row by row) and the cache. fp16 and affine then agree to their noise floor
-# (bounds ~5x the measured). KVarN's batched attention (dequantized records, one masked SDPA) and
-# the per-row one (quantized_matmul over the records) differ by float32 noise, which the float16
-# rounding of every arriving key moves to ~1e-3 in the logits (measured 1.6e-3), and which a tile
-# commit can turn into one flipped 2-bit code: so for KVarN, logits agree within 5e-3 at every
-# step before the row's first tile commit of decode, and stay within a flipped code's reach
-# (measured 0.105, bound 0.5) after it, with the same greedy tokens throughout.
+# (bounds ~5x the measured). KVarN's rows attend through the same paged decode path on both sides
+# (one batch of B rows vs B batches of one row): on the CPU the logits are identical (measured 0).
+# Where the batched and the per-row attention round differently (a GPU kernel's split plan follows
+# the batch), float32 noise is moved to ~1e-3 in the logits by the float16 rounding of every
+# arriving key, and a tile commit can turn it into one flipped 2-bit code: so for KVarN, logits
+# agree within 5e-3 at every step before the row's first tile commit of decode, and stay within a
+# flipped code's reach (bound 0.5) after it, with the same greedy tokens throughout.
 LOGIT_TOLERANCE = {"kvarn": 5e-3, "fp16": 1e-4, "affine": 0.05}
 KVARN_AFTER_A_FLIP = 0.5
 

@@ -1,4 +1,4 @@
-"""mlx-lm models run unmodified on KVarNKVCache (kvarn.baselines.make_cache + the attention seam,
+"""mlx-lm models run unmodified on paged KVarN rows (kvarn.rows.make_cache + the attention seam,
 or engine.engine.make_engine): the bundled model and random-weight tiny models built from
 mlx-lm's own classes (qwen3 head_dim 128, gemma3_text head_dim 256 with sliding-window layers,
 llama head_dim 64).
@@ -34,9 +34,11 @@ from engine.loader import LoadedModel, load_model
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
 from kvarn.attention import SEAM_NAME, install_attention_seam
-from kvarn.baselines import FP16KVCache, count_quantized_layers, make_cache
-from kvarn.cache import KVarNKVCache
+from kvarn.baselines import FP16KVCache
 from kvarn.layout import KVLayout
+from kvarn.paged import PagedLayer
+from kvarn.rows import count_quantized_layers, make_cache, restore, snapshot
+from tests.kvarn.row_contents import assert_same_bytes, row_contents
 
 VOCAB = 512
 PROMPT_CHUNKS = (100, 50)
@@ -94,6 +96,11 @@ def expected_counts(n: int, g: int) -> tuple[int, int, int]:
     return n, max(0, n - g) // g, max(0, n - g) % g
 
 
+def window_shape(view: PagedLayer) -> tuple[int, ...]:
+    """One row's window (sink then tail) in its pool: [n_kv_heads, 2G, head_dim]."""
+    return tuple(view.row.pool.layers[view.l].win_k.shape[1:])
+
+
 def compare_arms(model: nn.Module, name: str, prompt: list[int], kvarn: KVLayout, reference: KVLayout):
     install_attention_seam(model)
     ref_cache = make_cache(model, reference)
@@ -119,11 +126,13 @@ def test_tiny_full_attention_model(arch):
     ref_cache, kv_cache, ref_logits, kv_logits, diff = compare_arms(
         model, arch, prompt, layout, KVLayout.fp16("float32"))
     assert [type(c) for c in ref_cache] == [FP16KVCache] * 2
-    assert [type(c) for c in kv_cache] == [KVarNKVCache] * 2
+    assert [type(c) for c in kv_cache] == [PagedLayer] * 2
+    assert kv_cache[1].row is kv_cache[0].row  # one row of a pool of its own, every layer
     n = len(prompt) + DECODE_STEPS
     for c in kv_cache:
-        assert (c.offset, c.records.num_tiles, c.tail_len) == expected_counts(n, G) == (351, 4, 31)
-        assert c.sink_k.shape == (1, TINY[arch]["num_key_value_heads"], G, TINY[arch]["head_dim"])
+        assert (c.offset, c.num_tiles, c.tail_len) == expected_counts(n, G) == (351, 4, 31)
+        assert c.sink_len == G
+        assert window_shape(c) == (TINY[arch]["num_key_value_heads"], 2 * G, TINY[arch]["head_dim"])
         assert c.nbytes == layout.sequence_bytes(n, TINY[arch]["head_dim"], TINY[arch]["num_key_value_heads"])
     assert diff < K8V8_BOUND[arch], diff
     assert np.array_equal(kv_logits.argmax(-1), ref_logits.argmax(-1))
@@ -165,16 +174,17 @@ def test_tiny_gemma3_sliding_layers_keep_their_own_cache():
     # layers 0 and 2 slide (window 32): mlx-lm's RotatingKVCache, unquantized, in both arms;
     # layers 1 and 3 are global: KVarN
     assert [type(c) for c in ref_cache] == [RotatingKVCache, FP16KVCache, RotatingKVCache, FP16KVCache]
-    assert [type(c) for c in kv_cache] == [RotatingKVCache, KVarNKVCache, RotatingKVCache, KVarNKVCache]
+    assert [type(c) for c in kv_cache] == [RotatingKVCache, PagedLayer, RotatingKVCache, PagedLayer]
     n = len(prompt) + DECODE_STEPS
     for i in (0, 2):
         c = kv_cache[i]
         assert c.max_size == 32 and c.offset == n and c.keys.dtype == mx.float32
     for i in (1, 3):
         c = kv_cache[i]
-        assert (c.offset, c.records.num_tiles, c.tail_len) == expected_counts(n, G) == (351, 4, 31)
-        assert c.sink_k.shape == (1, 1, G, 256)
-        assert c.records.view().k_codes.shape[2] == 2  # two 128-channel slices per record
+        assert (c.offset, c.num_tiles, c.tail_len) == expected_counts(n, G) == (351, 4, 31)
+        assert c.sink_len == G and window_shape(c) == (1, 2 * G, 256)
+        k_codes = c.row.pool.layers[c.l].records["k_codes"]  # [blocks, H, S, W, G*bits/32]
+        assert k_codes.shape[1:4] == (1, 2, 128)  # two 128-channel slices per record
     assert diff < K8V8_BOUND["gemma3_text"], diff
     assert np.mean(kv_logits.argmax(-1) == ref_logits.argmax(-1)) >= 0.95
 
@@ -192,7 +202,7 @@ def test_tiny_model_decodes_with_every_preset_in_order_of_bits():
         cache = make_cache(model, KVLayout.kvarn(preset, tile_size=G))
         logits, _ = run_arm(model, cache, prompt, PROMPT_CHUNKS, tokens, DECODE_STEPS)
         assert np.all(np.isfinite(logits))
-        assert [(c.offset, c.records.num_tiles) for c in cache] == [(351, 4)] * 2
+        assert [(c.offset, c.num_tiles) for c in cache] == [(351, 4)] * 2
         diffs[preset] = float(np.abs(logits - ref).max())
     MEASURED.update({f"llama-{k}": v for k, v in diffs.items()})
     assert diffs["k8v8"] < diffs["k4v4"] < diffs["k4v2"] < 3.0, diffs
@@ -200,14 +210,20 @@ def test_tiny_model_decodes_with_every_preset_in_order_of_bits():
 
 
 def test_restored_caches_continue_a_model_identically():
-    """from_state of every layer mid-decode, then the same tokens: identical logits."""
+    """A whole row snapshotted mid-decode (``kvarn.rows.snapshot``), its arrays copied out (as to
+    disk) and restored into a fresh row of a pool of its own: the same bytes in every layer, then
+    the same tokens give identical logits."""
     model = build("llama")
     install_attention_seam(model)
     layout = KVLayout.kvarn("k4v2", tile_size=G)
     prompt = np.random.default_rng(4).integers(0, VOCAB, 90).tolist()
     live = make_cache(model, layout)
     _, tokens = run_arm(model, live, prompt, (90,), None, 5)
-    restored = [KVarNKVCache.from_state([mx.array(np.array(a)) for a in c.state], c.meta_state) for c in live]
+    metas, arrays = snapshot(live)
+    restored = restore(make_cache(model, layout), metas, [mx.array(np.array(a)) for a in arrays])
+    assert restored[0].row is not live[0].row and restored[0].row.pool is not live[0].row.pool
+    for x, y in zip(restored, live, strict=True):
+        assert_same_bytes(row_contents(x), row_contents(y))
     more = np.random.default_rng(5).integers(0, VOCAB, 100).tolist()  # commits records at 128 and 192
     a = [model(mx.array([[t]], dtype=mx.int32), cache=live)[0, -1] for t in more[:1]]
     b = [model(mx.array([[t]], dtype=mx.int32), cache=restored)[0, -1] for t in more[:1]]
@@ -215,9 +231,11 @@ def test_restored_caches_continue_a_model_identically():
         a.append(model(mx.array([[t]], dtype=mx.int32), cache=live)[0, -1])
         b.append(model(mx.array([[t]], dtype=mx.int32), cache=restored)[0, -1])
         mx.eval(a[-1], b[-1])
-    assert live[0].records.num_tiles == 2
+    assert live[0].num_tiles == restored[0].num_tiles == 2
     for x, y in zip(a, b):
         assert np.array_equal(np.array(x), np.array(y))
+    for x, y in zip(restored, live, strict=True):
+        assert_same_bytes(row_contents(x), row_contents(y))
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +268,8 @@ def test_bundled_model_k8v8_engine_matches_unquantized_cache(loaded):
         cache = row.cache if row is not None else cache  # the row is released as its request ends
         seen.append([(c.offset, c.num_tiles, c.tail_len) for c in cache])
     assert last.finish_reason is FinishReason.LENGTH and len(request.output_ids) == steps
-    assert all(type(c) is KVarNKVCache for c in make_cache(loaded.model, engine.layout))
+    assert all(type(c) is PagedLayer for c in cache)  # the engine's rows are paged rows
+    assert all(type(c) is PagedLayer for c in make_cache(loaded.model, engine.layout))
     # after the last step: prompt + every sampled token but the last went through the cache
     n = len(prompt) + steps - 1
     assert seen[-1] == [expected_counts(n, 128)] * 8 == [(401, 2, 17)] * 8

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kvarn.attention import install_attention_seam
-from kvarn.baselines import AffineKVCache, FP16KVCache, fork_cache, make_cache
-from kvarn.batch import make_batch_cache
+from kvarn.baselines import AffineKVCache, FP16KVCache
 from kvarn.layout import KVLayout
+from kvarn.rows import RowStore, make_batch_cache, make_cache
 from kvarn.slot_attention import fused_decode
 from kvarn.slots import SlotBatch, SlotRow, SlotStore, make_row_cache, make_stores
 from tests.kvarn.test_models import build
@@ -320,7 +320,7 @@ def decode_rows(model, layout: KVLayout, prompts: list[list[int]], vocab: int, m
     tokens through one SlotBatch per slot layer; ``prompts[-1]`` joins at step ``join_at``, row 1
     leaves at ``leave_at``. Every arm is fed the same tokens: a row's first is random, then the
     greedy token of the row decoded alone. References, from the baselines' per-row caches
-    (``kvarn.baselines.make_cache``): the rows decoded alone (B=1), and per-row attention in the
+    (``kvarn.rows.make_cache``): the rows decoded alone (B=1), and per-row attention in the
     same batched forward (``kvarn.batch``: the same batched GEMMs, only attention differs).
     Checks one fused attention per slot layer at step 30. Returns the max |logit difference| to
     each reference over prefill and decode."""
@@ -343,7 +343,7 @@ def decode_rows(model, layout: KVLayout, prompts: list[list[int]], vocab: int, m
         for start in range(0, len(prompt), chunk):
             ids = mx.array([prompt[start: start + chunk]], dtype=mx.int32)
             note("alone", model(ids, cache=slots[-1])[0, -1], model(ids, cache=alone[-1])[0, -1])
-        per_row.append(fork_cache(alone[-1]))
+        per_row.append(RowStore.fork(alone[-1]))
 
     for prompt in prompts[:-1]:
         prefill(prompt)

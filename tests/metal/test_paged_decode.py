@@ -228,7 +228,7 @@ def test_emulated_kernel_sees_a_wrong_block():
 
 
 def test_row_lengths_is_what_the_step_index_carries():
-    from kvarn.paged_batch import StepIndex
+    from kvarn.paged_step import StepIndex
     assert "lengths" in StepIndex.__dataclass_fields__
     assert RowLengths((1,), (1,), (0,), (0,)).num_tiles == (0,)
 
@@ -243,32 +243,31 @@ def test_the_decided_verdict_is_what_attention_path_said():
 @needs_cuda
 def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeypatch):
     """Paged rows (ragged, committing tiles during the steps) decode through PagedBatch: the
-    dispatch takes the kernel, and its output matches the single-stream caches' attention."""
+    dispatch takes the kernel, and its output matches the float64 reference over what the rows
+    hold (``tests/kvarn/row_contents.py``)."""
+    import importlib
+
     import kvarn.paged_batch as pb
-    from kvarn.attention import kvarn_attention
-    from kvarn.cache import KVarNKVCache
     from kvarn.layout import KVLayout
     from kvarn.paged import PagedRow
     from kvarn.pool import KVarNPool
+    from tests.kvarn.row_contents import reference_decode
     calls = []
     counting = lambda **kw: calls.append(1) or paged_decode_attention(**kw)  # noqa: E731
     kernels = Kernels(replace(cuda_backend(), paged_decode=counting))
     assert kernels.attention_path() == "cuda-fused" and len(calls) == 1  # its self-check
-    monkeypatch.setattr(pb, "KERNELS", kernels)
+    monkeypatch.setattr(importlib.import_module(pb.decode_attention.__module__), "KERNELS", kernels)
     rng = np.random.default_rng(5)
     G, H, D = 64, 2, 128
     layout = KVLayout.kvarn("k4v2", tile_size=G)
     pool = KVarNPool(layout, num_layers=1)
-    rows, alone = [], []
+    rows = []
     for n in (5, G - 2, 3 * G - 1):
         k = mx.array(rng.standard_normal((1, H, n, D)).astype(np.float16))
         v = mx.array(rng.standard_normal((1, H, n, D)).astype(np.float16))
         row = PagedRow(pool, [0])
         row.layers[0].update_and_fetch(k, v)
-        cache = KVarNKVCache(layout)
-        cache.update_and_fetch(k, v)
         rows.append(row)
-        alone.append(cache)
     batch = pb.PagedBatch([r.layers[0] for r in rows])
     for _ in range(4):  # rows cross G and commit a tile on the way
         k = mx.array(rng.standard_normal((3, H, 1, D)).astype(np.float16))
@@ -276,8 +275,6 @@ def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeyp
         q = mx.array(rng.standard_normal((3, 4 * H, 1, D)).astype(np.float16))
         batch.update_and_fetch(k, v)
         out = np.array(pb.paged_attention(q, batch, D ** -0.5, None).astype(mx.float32))
-        for b, cache in enumerate(alone):
-            cache.update_and_fetch(k[b: b + 1], v[b: b + 1])
-            want = np.array(kvarn_attention(q[b: b + 1], cache, D ** -0.5, None).astype(mx.float32))
-            assert max_rel_error(out[b: b + 1], want) < TOL
+        assert max_rel_error(out, reference_decode(q, batch.rows, D ** -0.5)) < TOL
+    assert [r.layers[0].num_tiles for r in rows] == [0, 0, 2]
     assert len(calls) == 1 + 4  # the self-check, then one call a step
