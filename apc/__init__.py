@@ -3,7 +3,9 @@
 ``apc.hashing`` (the keys), ``apc.memory_tier`` (least-recently-used leaf blocks within a byte
 budget), ``apc.disk_tier`` (one verified file per block, written behind, re-indexed at start),
 ``apc.blocks`` (payloads to and from file parts), ``apc.checkpoint`` (whole-row snapshot keys and
-their store) and ``apc.prefix_cache`` (the facade the engine uses). It sees token ids and opaque
-payloads, never requests: the engine side (what a block holds, when it is cached, how a row is
-rebuilt) is ``engine/prefix.py``. Design and contract: docs/apc.md.
+their store), ``apc.prefix_cache`` (keys, tiers and lookups over token ids and opaque payloads),
+``apc.pool_tier`` (the KVarN block pool's own blocks as the memory tier) and ``apc.reuse``
+(``PrefixReuse``, what the engine holds: admission hooks, rows rebuilt from hits, what a step
+completed cached, snapshots; ``make_prefix_reuse`` builds it). It reads requests and plans by
+their attributes, never imports the engine. Design and contract: docs/apc.md.
 """

@@ -7,7 +7,7 @@ asker's (a hash collision can never serve wrong tokens).
 
 It is one of two memory tiers behind the same calls (``lookup``, ``insert``, ``load``, ``parts``,
 ``evict_to``, ``nbytes``, ``clear``); the other keeps KVarN blocks in the engine's block pool
-itself (``engine/pool_tier.py``). Neither has a share of the KV budget of its own: the tier may
+itself (``apc/pool_tier.py``). Neither has a share of the KV budget of its own: the tier may
 hold what running requests leave free (``headroom``), up to an optional cap (``budget_bytes``),
 and admission evicts from it (``evict_to``) when a request needs the room.
 

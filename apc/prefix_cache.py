@@ -13,7 +13,7 @@ tier and the checkpoint tier behind a few calls:
 
 The memory tier is one of two with the same calls: ``MemoryTier`` (payload copies: the fp16 and
 affine baselines) or the engine's block-pool tier (KVarN blocks kept in the pool itself, shared
-by reference count: ``engine/pool_tier.py``). ``record(...)`` counts a hit the engine took.
+by reference count: ``apc/pool_tier.py``). ``record(...)`` counts a hit the engine took.
 ``set_events`` makes the exact tier tell routers what it holds (``apc.events``): blocks stored
 in memory (inserted, or read from disk) and written to disk, blocks evicted from either tier
 (memory evictions are found once a step, by ``sync_events``), and a reset.

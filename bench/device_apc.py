@@ -45,7 +45,7 @@ class DiskHitParts:
 
     def __enter__(self):
         from apc.disk_tier import DiskTier
-        from engine.pool_tier import PoolTier
+        from apc.pool_tier import PoolTier
 
         self.seconds = {"read_verify": 0.0, "load_into_pool": 0.0}
         self._saved = [(DiskTier, "get_many", DiskTier.get_many), (PoolTier, "load", PoolTier.load)]

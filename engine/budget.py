@@ -1,11 +1,13 @@
 """The KV budget's one admission check: what a request would add, and what running requests hold.
 
-Pure Python. The scheduler admits the head of the queue when ``committed() + cost(request) <=
-budget``; the front door refuses (400) a request whose ``cost`` alone exceeds the budget; the
-prefix cache keeps what is left (``headroom``) and admission evicts from it when a request needs
-the room. Two accountings behind the same calls:
+Pure Python. The budget is also the ledger of who holds KV: ``running`` (the rows the scheduler
+admitted) and ``forks`` (choices waiting beside their parent); the scheduler moves requests in and
+out of them. It admits the head of the queue when ``reserved() + cost(request) <= budget``; the
+front door refuses (400) a request whose ``cost`` alone exceeds the budget; the prefix cache keeps
+what is left (``free_bytes()``, less what it keeps) and admission evicts from it when a request
+needs the room. Two accountings behind the same calls:
 
-- ``StaticBudget`` (fp16 / affine slot rows, single-stream rows): a request holds its price, the
+- ``StaticBudget`` (fp16 / affine slot rows, rows with layers of their own, windowed rows): a request holds its price, the
   bytes of ``T = prompt + max_tokens`` tokens per choice, plus one chunk's transient while its
   prompt is prefilled (``engine/pricing.py``). Rows share nothing.
 - ``PoolBudget`` (KVarN rows in the block pool): record blocks are shared (forks, prefix hits),
@@ -24,7 +26,7 @@ the room. Two accountings behind the same calls:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.pricing import Pricing, Reservation
 from engine.request import Request, RequestId
@@ -32,10 +34,15 @@ from engine.request import Request, RequestId
 
 @dataclass
 class StaticBudget:
-    """Requests hold their price (``price(request, n)``: ``n`` choices, the transient once)."""
+    """Requests hold their price (``price(request, n)``: ``n`` choices, the transient once).
+
+    ``running``: the requests with a row, in admission order; ``forks``: by parent, the choices
+    (``n > 1``) that wait to become rows when their parent's prompt is done."""
 
     price: Callable[[Request, int], Reservation]
     budget_bytes: int | None = None
+    running: list[Request] = field(default_factory=list)
+    forks: dict[RequestId, list[Request]] = field(default_factory=dict)
 
     def cost(self, request: Request, n: int = 1, hit_tokens: int = 0) -> int:
         return self.price(request, n).total
@@ -55,12 +62,21 @@ class StaticBudget:
     def committed(self, running: Iterable[Request], pending: Iterable[Request]) -> int:
         return self.shared() + sum(map(self.holds, running)) + sum(map(self.pending, pending))
 
+    def reserved(self) -> int:
+        """What the running requests (and their choices waiting to fork) hold or may still take."""
+        pending = [f for r in self.running for f in self.forks.get(r.request_id, ())]
+        return self.committed(self.running, pending)
+
+    def free_bytes(self) -> int:
+        """The budget left beside what running requests reserve (very large without a budget)."""
+        return (1 << 62) if self.budget_bytes is None else self.budget_bytes - self.reserved()
+
 
 class PoolBudget(StaticBudget):
     """KVarN rows in the block pool: shared blocks counted once (module docstring).
 
     ``held_bytes()``: what the pool's record blocks held by rows and cached sinks pinned by hits
-    (count > 0) take, each once; ``row_records(request_id)``: how many records a request's row holds (None
+    (count > 0) take, each once (``KVarNPool.shared_bytes``); ``row_records(request_id)``: how many records a request's row holds (None
     before its row exists)."""
 
     def __init__(self, pricing: Pricing, budget_bytes: int | None, held_bytes: Callable[[], int],

@@ -3,24 +3,22 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from apc.prefix_cache import PrefixCache
+from apc.reuse import PrefixReuse, exact_tier_possible, make_prefix_reuse
 from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
 from engine.memory import release_memory
 from engine.model_runner import Dispatched, ModelRunner
 from engine.budget import PoolBudget, StaticBudget
-from engine.pool_tier import PoolTier
 from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
 from engine.output import OutputState, add_prompt_scores, advance, new_text_stream
-from engine.prefix import PrefixReuse, exact_tier_possible
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
@@ -74,26 +72,6 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
                          f"({config.kv_budget_bytes:,} bytes) it shares with running requests")
     return Engine(loaded, layout, config, pricing, batch_decode=can_batch_decode(loaded, layout),
                   apc=apc if apc.enabled else None)
-
-
-def make_prefix_reuse(loaded: LoadedModel, layout: KVLayout, apc: ApcConfig, store: RowStore,
-                      headroom: Callable[[], int], probe: list) -> PrefixReuse:
-    """The exact tier where every layer takes the layout (blocks of G tokens: the block pool's
-    own blocks for KVarN rows in it, copies for the baselines), else the checkpoint tier
-    (whole-row snapshots). The keys' stamp names the layout and the model."""
-    G = layout.tile_size
-    tier = "exact" if exact_tier_possible(probe) else "checkpoint"
-    stamp = layout.stamp(loaded.fingerprint)
-    memory: Any = apc.memory_bytes
-    if tier == "exact" and store.pool is not None:
-        memory = PoolTier(store.pool, apc.memory_bytes, headroom)
-    cache = PrefixCache(stamp, loaded.fingerprint, G, memory, apc.disk_dir, apc.disk_bytes, tier=tier,
-                        headroom=headroom)
-    cap = f"up to {apc.memory_bytes:,} bytes" if apc.memory_bytes is not None else "no cap"
-    logger.info("prefix cache: %s tier%s, in what the KV budget leaves free (%s)%s", tier,
-                " in the block pool" if isinstance(memory, PoolTier) else "", cap,
-                f", disk {apc.disk_dir} up to {apc.disk_bytes:,} bytes" if apc.disk_dir else "")
-    return PrefixReuse(cache, layout)
 
 
 def make_pricing(loaded: LoadedModel, layout: KVLayout, prefill_chunk: int) -> Pricing:
@@ -152,30 +130,19 @@ class Engine:
         self.layout = layout
         config = config or SchedulerConfig()
         self.pricing = pricing or make_pricing(loaded, layout, config.prefill_chunk_size)
-        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
-                                  batch_prefill=config.batch_prefill)
-        store = self.runner.store
-        pool = store.pool
-        budget: StaticBudget = StaticBudget(self._price, config.kv_budget_bytes)
-        if pool is not None:  # KVarN rows in the block pool
-            block, sink = self.pricing.block_bytes(), self.pricing.window_bytes() // getattr(mx, layout.window_dtype).size
-            # shared blocks counted once where every layer is in the pool; windowed rows drop shared
-            # blocks and take their own, and rows with layers of their own are priced whole
-            if store.exact and layout.max_kv_size is None:
-                budget = PoolBudget(self.pricing, config.kv_budget_bytes,
-                                    lambda: pool.records.num_held * block + pool.sinks.num_held * sink,
-                                    self.runner.row_records)
-            if config.kv_budget_bytes is not None:  # the pool never needs more ids than the budget pays for
-                pool.max_blocks["records"] = config.kv_budget_bytes // max(self.pricing.block_bytes(), 1) + 1
-                pool.max_blocks["sinks"] = config.kv_budget_bytes // max(sink, 1) + 1  # float16 sink copies
-        self.scheduler = Scheduler(config, budget)
+        # built in order, each with what it needs: where rows live, what they cost, the prefix
+        # cache (in what the budget leaves), then admission and the runner, both handed the cache
+        store = RowStore(loaded.model, layout)
+        budget = self._make_budget(store, config.kv_budget_bytes)
         self.prefix: PrefixReuse | None = None
         if apc is not None:
-            probe = make_cache(loaded.model, layout, capacity=1)
-            mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
-            self.prefix = make_prefix_reuse(loaded, layout, apc, self.runner.store, self.scheduler.headroom, probe)
-            self.scheduler.cache = self.prefix
-            self.runner.restore, self.runner.release = self.prefix.make_row, self.prefix.release
+            self.prefix = make_prefix_reuse(loaded.fingerprint, layout, store, budget.free_bytes,
+                                            apc.memory_bytes, apc.disk_dir, apc.disk_bytes)
+        self.scheduler = Scheduler(config, budget, cache=self.prefix)
+        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
+                                  restore=self.prefix.make_row if self.prefix is not None else None,
+                                  release=self.prefix.release if self.prefix is not None else None,
+                                  batch_prefill=config.batch_prefill, store=store)
         # rows that cannot be cut at blocks (sliding windows, recurrent state) end prompt chunks
         # where the checkpoint tier snapshots them, with or without the cache (same numbers)
         self.cuts_for_snapshots = not exact_tier_possible(make_cache(loaded.model, layout))
@@ -184,6 +151,31 @@ class Engine:
         self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
         self._async = config.async_scheduling
         self._ahead: Dispatched | None = None  # async scheduling: the step launched, not read back
+
+    def _make_budget(self, store: RowStore, budget_bytes: int | None) -> StaticBudget:
+        """KVarN rows in the block pool whose every layer is in it, unwindowed: shared blocks
+        counted once, as the pool counts them (windowed rows drop shared blocks and take their own,
+        and rows with layers of their own are priced whole: each holds its price). The pool never
+        needs more ids than the budget pays for."""
+        pool = store.pool
+        if pool is None:
+            return StaticBudget(self._price, budget_bytes)
+        if budget_bytes is not None:
+            sink = self.pricing.window_bytes() // getattr(mx, self.layout.window_dtype).size  # a float16 sink copy
+            pool.max_blocks["records"] = budget_bytes // max(self.pricing.block_bytes(), 1) + 1
+            pool.max_blocks["sinks"] = budget_bytes // max(sink, 1) + 1
+        if store.exact and self.layout.max_kv_size is None:
+            return PoolBudget(self.pricing, budget_bytes, pool.shared_bytes, self._row_records)
+        return StaticBudget(self._price, budget_bytes)
+
+    def _row_records(self, request_id: RequestId) -> int | None:
+        return self.runner.row_records(request_id)
+
+    @contextmanager
+    def prefix_cache_paused(self) -> Iterator[None]:
+        """Requests run meanwhile (a warm-up) neither hit nor fill the prefix cache."""
+        with self.prefix.paused() if self.prefix is not None else nullcontext():
+            yield
 
     def _price(self, request: Request, n: int) -> Reservation:
         return self.pricing.reservation(request.num_prompt_tokens, request.params.max_tokens, n)
@@ -344,7 +336,7 @@ class Engine:
         many on the device; that token is dropped with the row. An abort meanwhile drops the
         row's result. Anything else (arrivals, prompts, forks) waits for the next ordinary step."""
         sched = self.scheduler
-        if current.failed is not None or sched.waiting or any(sched.forks.values()) or sched._freed:
+        if current.failed is not None or sched.waiting or any(sched.forks.values()) or sched.has_freed_rows:
             return None
         limit = self.loaded.context_length
         for request in sched.running:

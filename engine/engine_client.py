@@ -87,7 +87,7 @@ class Admission:
     def release(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            client._release()
+            client.release_admission()
 
     def __del__(self) -> None:
         self.release()
@@ -200,7 +200,8 @@ class EngineClient:
             self._submitted += 1
         return Admission(self)
 
-    def _release(self) -> None:
+    def release_admission(self) -> None:
+        """One admitted request left the front door (``Admission.release``)."""
         with self._lock:
             self._submitted -= 1
 

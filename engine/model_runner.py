@@ -102,9 +102,10 @@ class DecodeBatch:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
                  capacity: Any = None, restore: Any = None, release: Any = None,
-                 batch_prefill: bool = True) -> None:
-        """``capacity(request)`` gives a row's reserved tokens (its caches allocate them at
-        once); ``restore(hit, fresh)`` fills a fresh row from a prefix-cache hit that a plan's
+                 batch_prefill: bool = True, store: RowStore | None = None) -> None:
+        """``store``: where rows live (None: a store of its own for ``layout``; the engine passes
+        the one its budget and prefix cache read); ``capacity(request)`` gives a row's reserved
+        tokens (its caches allocate them at once); ``restore(hit, fresh)`` fills a fresh row from a prefix-cache hit that a plan's
         chunk carries (``PrefillChunk.restore``) and returns it, ``release(hit)`` lets go of a
         hit no row took (its step failed first); ``batch_decode`` False runs each decoding row
         alone (models whose caches cannot be batched, e.g. recurrent layers); ``batch_prefill``
@@ -119,7 +120,7 @@ class ModelRunner:
         self.capacity = capacity
         self.restore = restore
         self.release = release
-        self.store = RowStore(loaded.model, layout)
+        self.store = store if store is not None else RowStore(loaded.model, layout)
         self.rows: dict[RequestId, Row] = {}
         self.batch = DecodeBatch()
         self.grammars = RowGrammars(loaded.vocab_size)  # matchers of constrained rows

@@ -30,15 +30,15 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from apc.prefix_cache import PENDING  # a lookup still reading from disk (``CacheHooks.lookup``)
 from engine.budget import StaticBudget
+from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, RequestStatus
 from engine.step_types import PrefillChunk, StepPlan, StepResult
 
-PENDING: Any = object()  # a lookup still reading from disk (``CacheHooks.lookup``)
-
 
 class CacheHooks(Protocol):
-    """What admission asks of the prefix cache (the engine's ``PrefixReuse``)."""
+    """What admission asks of the prefix cache (``apc.reuse.PrefixReuse``)."""
 
     def lookup(self, request: Request) -> Any:
         """A hit (with ``tokens``: prompt tokens it restores, pinned until taken or released),
@@ -96,28 +96,39 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, budget: StaticBudget | None = None,
                  cache: CacheHooks | None = None) -> None:
-        """``budget``: what requests cost and hold (None: nothing is priced); ``cache``: the
-        prefix cache's admission hooks (None: no cache)."""
+        """``budget``: what requests cost and hold, and the ledger of running requests and
+        waiting choices (None: nothing is priced); ``cache``: the prefix cache's admission hooks
+        (None: no cache)."""
         self.config = config
-        self.budget = budget
+        self.budget = budget if budget is not None else StaticBudget(_free_of_charge)
         self.cache = cache
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.forks: dict[RequestId, list[Request]] = {}
         self._freed: list[RequestId] = []
+
+    @property
+    def running(self) -> list[Request]:
+        """Requests with a row, in admission order (the budget's ledger)."""
+        return self.budget.running
+
+    @property
+    def forks(self) -> dict[RequestId, list[Request]]:
+        """By parent, the choices waiting to become rows (the budget's ledger)."""
+        return self.budget.forks
+
+    @property
+    def has_freed_rows(self) -> bool:
+        """Whether rows finished since the last plan (the next plan reports them in ``freed``)."""
+        return bool(self._freed)
 
     # --- admission (one check: ``engine/budget.py``) ---
     def fits_alone(self, request: Request, n: int = 1) -> bool:
         budget = self.config.kv_budget_bytes
-        return budget is None or self.budget is None or self.budget.cost(request, n) <= budget
+        return budget is None or self.budget.cost(request, n) <= budget
 
     @property
     def reserved_bytes(self) -> int:
         """What running requests (and choices waiting to fork) hold or may still take."""
-        if self.budget is None:
-            return 0
-        pending = [f for r in self.running for f in self.forks.get(r.request_id, ())]
-        return self.budget.committed(self.running, pending)
+        return self.budget.reserved()
 
     def headroom(self) -> int:
         """The KV budget left beside running requests and what the prefix cache keeps."""
@@ -186,7 +197,7 @@ class Scheduler:
                 break
             hit_tokens = hit.tokens if hit is not None else 0
             chunk = self._chunk(request, start=hit_tokens)
-            cost = self.budget.cost(request, n, hit_tokens) if self.budget is not None else 0
+            cost = self.budget.cost(request, n, hit_tokens)
             room = self.config.kv_budget_bytes - self.reserved_bytes - cost \
                 if self.config.kv_budget_bytes is not None else None
             if (room is not None and room < 0) or chunk.num_tokens > budget:
@@ -253,3 +264,8 @@ class Scheduler:
             self.running.insert(position, fork)
             position += 1
             by_id[fork.request_id] = fork
+
+
+def _free_of_charge(request: Request, n: int) -> Reservation:
+    """The price of a request where nothing is priced."""
+    return Reservation(0)

@@ -11,7 +11,7 @@ engine's own scheduler and kernels:
   across a tile boundary, so several rows commit a tile in one decode step;
 * meanwhile one longer request (a full prompt chunk and a continuation chunk) prefills beside
   them: chunks of a prompt with history, mixed with decode rows;
-* then everything is aborted. The prefix cache is detached for the duration (nothing is
+* then everything is aborted. The prefix cache is paused for the duration (nothing is
   looked up, cached, counted or written to disk), and the block pool gets every block back.
 
 Prompts are random token ids with ``ignore_eos``. A warm-up that cannot run (a budget too small
@@ -81,11 +81,18 @@ def warm_up(engine: Any, rows: int = 2, seed: int = 0) -> WarmUpReport:
     group = [*shorts, long]
     if not all(engine.scheduler.fits_alone(r, 1) for r in group):
         return WarmUpReport(False, reason="a warm-up request does not fit the KV budget")
-    prefix = engine.prefix
-    hooks = engine.scheduler.cache, engine.runner.restore, engine.runner.release
-    engine.prefix, engine.scheduler.cache = None, None
     report = WarmUpReport(True)
     start = time.perf_counter()
+    with engine.prefix_cache_paused():
+        _run(engine, shorts, long, report)
+    report.seconds = time.perf_counter() - start
+    report.slowest_step_s = max(report.step_seconds, default=0.0)
+    return report
+
+
+def _run(engine: Any, shorts: list[Request], long: Request, report: WarmUpReport) -> None:
+    """The short rows decode, then the long prompt runs beside them; every request is gone after."""
+    group = [*shorts, long]
     try:
         for r in shorts:
             engine.add_request(r)
@@ -109,8 +116,3 @@ def warm_up(engine: Any, rows: int = 2, seed: int = 0) -> WarmUpReport:
             if not engine.has_work():
                 break
             engine.step()
-        engine.prefix = prefix
-        engine.scheduler.cache, engine.runner.restore, engine.runner.release = hooks
-    report.seconds = time.perf_counter() - start
-    report.slowest_step_s = max(report.step_seconds, default=0.0)
-    return report

@@ -13,7 +13,7 @@ ids) serves all layers, as in vLLM. Three kinds of storage, each with its own id
                                                            (float16 values; held as float32 on the CPU:
                                                            ``KVLayout.window_dtype``)
     sinks (float16)       sink_k / sink_v [Ns, H, G, D]    cached copies of rows' sinks (the prefix
-                                                           cache's block 0, ``engine/pool_tier.py``)
+                                                           cache's block 0, ``apc/pool_tier.py``)
 
     block n, head h of k_codes:  [ channel 0: G*bk/32 words | channel 1 | ... | channel W-1 ]  (contiguous)
     block n, head h of v_codes:  [ token 0: D*bv/32 words   | token 1   | ... | token G-1  ]  (contiguous)
@@ -374,8 +374,13 @@ class KVarNPool:
     def held_bytes(self) -> int:
         """What rows hold: their windows, the record blocks held (each once, however shared) and
         cached sinks pinned for a prefix hit."""
-        return (self.windows.num_held * self.window_bytes() + self.records.num_held * self.block_bytes()
-                + self.sinks.num_held * self.sink_bytes())
+        return self.windows.num_held * self.window_bytes() + self.shared_bytes()
+
+    def shared_bytes(self) -> int:
+        """What rows hold in blocks that may be shared: the record blocks held (each once, however
+        many rows and hits hold it) and cached sinks pinned for a prefix hit; not the windows,
+        each row's own (what the KV budget counts from the pool; it prices windows per row)."""
+        return self.records.num_held * self.block_bytes() + self.sinks.num_held * self.sink_bytes()
 
     def cached_bytes(self) -> int:
         """Bytes of the blocks and sinks that only the prefix cache keeps (count 0, hashed)."""

@@ -99,7 +99,7 @@ class AffineRotatingKVCache(_BaseCache):
         other.legs = [leg.fork() for leg in self.legs]
         return other
 
-    # --- whole-row snapshots (the checkpoint tier: ``engine.prefix``) ---
+    # --- whole-row snapshots (the checkpoint tier: ``apc.reuse``) ---
     def snapshot(self) -> tuple[list[dict[str, int]], list[mx.array]]:
         """(each leg's indices, its keys and values part): what ``restore`` takes back."""
         metas = [{"offset": leg.offset, "keep": leg.keep, "max_size": leg.max_size, "idx": leg._idx}

@@ -1,7 +1,7 @@
 """The prefix cache through the real engine on the bundled model (exact tier) and on random-weight
 tiny models with sliding-window and recurrent layers (checkpoint tier).
 
-The contract (engine/prefix.py): a hit restores exactly what the row that made the blocks held,
+The contract (apc/reuse.py): a hit restores exactly what the row that made the blocks held,
 and the rest of the request computes what an engine without the cache computes, up to float
 rounding of differently shaped chunks. On the bundled model greedy output after a restore from
 memory or disk is identical to the output without the cache (fp16 and KVarN, every scenario

@@ -1,4 +1,4 @@
-"""Prefix reuse: the engine's side of the automatic prefix cache (``apc``).
+"""Prefix reuse: the prefix cache's side of admission and of each step (the facade the engine holds).
 
 The scheduler asks it, at admission and on the engine thread (``engine.scheduler.CacheHooks``):
 
@@ -12,10 +12,14 @@ The scheduler asks it, at admission and on the engine thread (``engine.scheduler
 and after admission: ``make_row(restore, empty)`` fills the new row (the runner), and
 ``after_step(...)`` caches what the step completed: whole blocks of prompts and of generated text
 (exact tier), or whole-row snapshots at chosen prompt lengths (checkpoint tier).
+``make_prefix_reuse`` builds it, with every tier, from what the loaded model and its row store are.
+
+It reads requests and step plans by their attributes only (``CachedRequest``, ``CachedPlan``):
+the engine's ``Request`` and ``StepPlan`` have them.
 
 **Exact tier** (every layer takes the KV layout): a block is G tokens of every layer.
 - KVarN rows in the block pool: the pool's hashed blocks are the memory tier
-  (``engine/pool_tier.py``): block 0 is the float16 sink (a cached copy), block i > 0 is record
+  (``apc/pool_tier.py``): block 0 is the float16 sink (a cached copy), block i > 0 is record
   i - 1, shared by reference count. Every token, in any prompt chunk or in decode, attends with
   decode's view (the sink, the records of committed tiles, its own tile in float16), and a record
   depends only on its own tile, so any cached block is what a run without the cache would
@@ -29,8 +33,8 @@ first N tokens (nothing was evicted before them, so they are exact; a hit never 
 block); windowed fp16 / affine rows are rotating caches, snapshotted whole (the checkpoint tier).
 
 **Checkpoint tier** (sliding windows, recurrent layers): the whole row after exactly L tokens,
-at the end of a chat's system prompt and at the prompt's last token but one (the engine sets
-``Request.snapshot_at``; the scheduler ends a chunk there), so a repeat of a prompt, or a later
+at the end of a chat's system prompt and at the prompt's last token but one (the engine sets the
+request's ``snapshot_at``; the scheduler ends a chunk there), so a repeat of a prompt, or a later
 turn extending it, restores all but its last token.
 
 Contract (tested): greedy output after a restore from memory or disk equals the output of the
@@ -42,25 +46,67 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import mlx.core as mx
 
 from apc.blocks import Payload
 from apc.hashing import BlockKey, prompt_keys
-from apc.prefix_cache import PENDING as READING, PrefixCache
-from engine.pool_tier import PoolHit, PoolTier, SinkOf
-from engine.request import Request, RequestId
-from engine.scheduler import PENDING
-from engine.step_types import StepPlan
+from apc.pool_tier import PoolHit, PoolTier, SinkOf
+from apc.prefix_cache import PENDING, PrefixCache
 from kvarn.layout import KVLayout
-from kvarn.rows import load_blocks, restore, snapshot, uses_layout
+from kvarn.rows import RowStore, load_blocks, make_cache, restore, snapshot, uses_layout
 
 logger = logging.getLogger(__name__)
 
 _WIDTH = {"fp16": 2, "affine": 6}  # arrays per layer of a copied block
+
+RequestId = str
+
+
+class CachedParams(Protocol):
+    prompt_logprobs: int | None  # set: never looked up (a cached prefix has no logits to score it)
+
+
+class CachedRequest(Protocol):
+    """What the hooks read of a request: its id, tokens and salt, how far it has run, and where
+    the checkpoint tier snapshots it."""
+
+    request_id: RequestId
+    prompt_ids: list[int]
+    output_ids: list[int]
+    cache_salt: str | None
+    params: CachedParams
+    num_computed_tokens: int
+    num_cached_tokens: int
+    snapshot_at: tuple[int, ...]
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def is_finished(self) -> bool: ...
+
+
+class CachedChunk(Protocol):
+    request_id: RequestId
+    end_idx: int
+    forks: tuple[RequestId, ...]  # choices that become rows sharing this chunk's row
+
+
+class CachedPlan(Protocol):
+    """What ``after_step`` reads of a step: its prompt chunks and its decoding rows."""
+
+    prefills: Sequence[CachedChunk]
+    decodes: Sequence[RequestId]
+
+
+class CachedRow(Protocol):
+    cache: list[Any]  # one cache per layer
 
 
 @dataclass
@@ -86,6 +132,9 @@ class _Progress:
 
 
 class PrefixReuse:
+    """The prefix cache as admission and the model runner see it (module docstring). While
+    ``paused`` it looks nothing up and caches nothing (what it keeps stays, and still gives room)."""
+
     def __init__(self, cache: PrefixCache, layout: KVLayout) -> None:
         self.cache = cache
         self.layout = layout
@@ -94,14 +143,24 @@ class PrefixReuse:
         self.progress: dict[RequestId, _Progress] = {}
         self._chains: dict[RequestId, list[BlockKey]] = {}  # prompt keys of requests waiting for admission
         self._read: set[RequestId] = set()  # requests whose disk read was started (one per request)
+        self._paused = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Requests run meanwhile (a warm-up) neither hit nor fill the cache."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     @property
     def tier(self) -> str:
         return self.cache.tier
 
     # --- admission (``engine.scheduler.CacheHooks``) ---
-    def lookup(self, request: Request) -> Restore | None | Any:
-        if request.params.prompt_logprobs is not None:  # a cached prefix has no logits to score it
+    def lookup(self, request: CachedRequest) -> Restore | None | Any:
+        if self._paused or request.params.prompt_logprobs is not None:  # no logits to score a cached prefix
             return None
         rid = request.request_id
         disk = rid not in self._read
@@ -110,7 +169,7 @@ class PrefixReuse:
             if chain is None:
                 chain = self._chains[rid] = prompt_keys(request.prompt_ids, self.G, self.cache.root(request.cache_salt))
             found = self.cache.lookup(request.prompt_ids, request.cache_salt, disk=disk, chain=chain)
-            if found is READING:
+            if found is PENDING:
                 self._read.add(rid)
                 return PENDING
             keys, hits = found
@@ -120,7 +179,7 @@ class PrefixReuse:
                 return Restore(len(hits) * self.G, keys, pool=self.pool_tier.pin(hits))
             return Restore(len(hits) * self.G, keys, blocks=hits)
         found = self.cache.longest_snapshot(request.prompt_ids, request.cache_salt, disk=disk)
-        if found is READING:
+        if found is PENDING:
             self._read.add(rid)
             return PENDING
         if found is None:
@@ -133,11 +192,11 @@ class PrefixReuse:
         if restore.pool is not None:
             self.pool_tier.unpin(restore.pool)
 
-    def admit(self, request: Request, restore: Restore | None) -> None:
+    def admit(self, request: CachedRequest, restore: Restore | None) -> None:
         rid = request.request_id
         self._chains.pop(rid, None)
         self._read.discard(rid)
-        if request.params.prompt_logprobs is not None:  # never looked up: not a lookup in the stats
+        if self._paused or request.params.prompt_logprobs is not None:  # never looked up: not in the stats
             return
         query = request.num_prompt_tokens
         if self.tier == "exact":
@@ -172,9 +231,12 @@ class PrefixReuse:
                             self.G) for l, layer in enumerate(empty)]
 
     # --- after a step ---
-    def after_step(self, plan: StepPlan, requests: Mapping[RequestId, Request], rows: Mapping[RequestId, Any]) -> None:
+    def after_step(self, plan: CachedPlan, requests: Mapping[RequestId, CachedRequest],
+                   rows: Mapping[RequestId, CachedRow]) -> None:
         """Cache what the step completed for the requests it ran (``rows``: the runner's rows),
         after the scheduler advanced them and before any of them is finished and freed."""
+        if self._paused:
+            return
         ids = [c.request_id for c in plan.prefills] + [f for c in plan.prefills for f in c.forks] + list(plan.decodes)
         for chunk in plan.prefills:  # forks start from their parent's progress
             for fork_id in chunk.forks:
@@ -199,7 +261,7 @@ class PrefixReuse:
         self._chains.pop(request_id, None)
         self._read.discard(request_id)
 
-    def _cache_blocks(self, request: Request, cache: list[Any]) -> None:
+    def _cache_blocks(self, request: CachedRequest, cache: list[Any]) -> None:
         progress = self.progress.setdefault(request.request_id, _Progress())
         if progress.done:
             return
@@ -241,7 +303,7 @@ class PrefixReuse:
         return Payload(kind, tuple(a for pair in arrays for a in pair))
 
     # --- checkpoint tier ---
-    def _maybe_snapshot(self, request: Request, cache: list[Any], plan: StepPlan) -> None:
+    def _maybe_snapshot(self, request: CachedRequest, cache: list[Any], plan: CachedPlan) -> None:
         chunk = next((c for c in plan.prefills if c.request_id == request.request_id), None)
         if chunk is None:
             return
@@ -275,3 +337,31 @@ def load_snapshot(fresh: list[Any], payload: Payload) -> list[Any]:
 def exact_tier_possible(row: list[Any]) -> bool:
     """Whether rows of this model cut at blocks: every layer takes the KV layout."""
     return all(uses_layout(layer) for layer in row)
+
+
+def make_prefix_reuse(fingerprint: str, layout: KVLayout, store: RowStore, room: Callable[[], int],
+                      memory_bytes: int | None = None, disk_dir: str | Path | None = None,
+                      disk_bytes: int = 0) -> PrefixReuse:
+    """The prefix cache of a loaded model (``fingerprint``) whose rows ``store`` makes under
+    ``layout``, complete: the exact tier where every layer takes the layout (blocks of G tokens:
+    the block pool's own blocks for KVarN rows in it, copies for the baselines), else the
+    checkpoint tier (whole-row snapshots). The keys' stamp names the layout and the model.
+
+    ``room()``: the KV budget left beside what running requests hold; the cache keeps what it
+    can of that (less what it keeps already), up to ``memory_bytes`` (None: no cap of its own).
+    ``disk_dir``: the disk tier's folder (None: memory only), up to ``disk_bytes``."""
+    tier = "exact" if exact_tier_possible(make_cache(store.model, layout)) else "checkpoint"
+
+    def headroom() -> int:  # what the tiers may still grow by: room beside rows, less what they keep
+        return room() - cache.memory_bytes
+
+    memory: Any = memory_bytes
+    if tier == "exact" and store.pool is not None:
+        memory = PoolTier(store.pool, memory_bytes, headroom)
+    cache = PrefixCache(layout.stamp(fingerprint), fingerprint, layout.tile_size, memory, disk_dir, disk_bytes,
+                        tier=tier, headroom=headroom)
+    cap = f"up to {memory_bytes:,} bytes" if memory_bytes is not None else "no cap"
+    logger.info("prefix cache: %s tier%s, in what the KV budget leaves free (%s)%s", tier,
+                " in the block pool" if isinstance(memory, PoolTier) else "", cap,
+                f", disk {disk_dir} up to {disk_bytes:,} bytes" if disk_dir else "")
+    return PrefixReuse(cache, layout)
