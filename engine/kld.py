@@ -28,7 +28,8 @@ from engine.engine import make_layout
 from engine.kv_config import KVConfig
 from engine.loader import LoadedModel
 from kvarn.attention import install_attention_seam
-from kvarn.rows import make_cache
+from kvarn.batch import ChunkRows
+from kvarn.rows import RowStore, make_batch_cache, make_cache
 from kvarn.layout import KVLayout
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "kld_prompts.json"
@@ -113,6 +114,23 @@ def _layer_geometry(loaded: LoadedModel) -> tuple[int, int, int]:
     return keys.shape[-1], keys.shape[1], len(cache)
 
 
+def _prefill(model: Any, layout: KVLayout, prompts: mx.array) -> tuple[list[Any], mx.array]:
+    """The prompts [B, T] through a fresh cache of ``layout``: (the cache the decode steps run on,
+    the last position's logits). KVarN rows are one sequence each, rows of one pool: the prompts
+    run as one forward of their chunks (``ChunkRows``) and decode as one batch; the baselines'
+    caches take the batch as it is."""
+    if layout.scheme != "kvarn":
+        cache = make_cache(model, layout)
+        return cache, model(prompts, cache=cache)[:, -1]
+    store = RowStore(model, layout)
+    rows = [store.new_row(None) for _ in range(prompts.shape[0])]
+    B, T = prompts.shape
+    chunk = [ChunkRows([row[l] for row in rows], [T] * B) for l in range(len(rows[0]))]
+    logits = model(prompts, cache=chunk)[:, -1]
+    mx.eval(logits)
+    return [make_batch_cache([row[l] for row in rows]) for l in range(len(rows[0]))], logits
+
+
 def _log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -126,15 +144,14 @@ def run_kld(loaded: LoadedModel, config: KldConfig, progress: Callable[[int], No
     head_dim, n_kv, n_layers = _layer_geometry(loaded)
     named = [arm_config(a, config.max_kv_size) for a in config.arms]
     layouts = [make_layout(kv, loaded) for _, kv in named]
-    for (name, _), layout in zip(named, layouts):
-        if layout.scheme == "kvarn" and layout.max_kv_size is not None and layout.max_kv_size < config.prompt_tokens:
-            raise ValueError(f"arm {name}: the prompt ({config.prompt_tokens} tokens) must fit a KVarN arm's window "
-                             f"(its single-stream cache prefills within it)")
     reference = make_cache(loaded.model, KVLayout.fp16(loaded.compute_dtype))
-    caches = [make_cache(loaded.model, layout) for layout in layouts]
     model = loaded.model
     ref_logits = model(prompts, cache=reference)[:, -1]
-    arm_logits = [model(prompts, cache=c)[:, -1] for c in caches]
+    caches, arm_logits = [], []
+    for layout in layouts:
+        cache, logits = _prefill(model, layout, prompts)
+        caches.append(cache)
+        arm_logits.append(logits)
     kld = np.zeros((len(layouts), prompts.shape[0], config.gen_tokens), np.float32)
     top1 = np.zeros(kld.shape, bool)
     for t in range(config.gen_tokens):

@@ -4,16 +4,18 @@ mlx-lm models call ``scaled_dot_product_attention(queries, keys, values, cache, 
 from ``mlx_lm.models.base`` after ``cache.update_and_fetch``; each model module binds that name at
 import time. ``install_attention_seam`` (called once, by ``engine.make_engine``) replaces it in
 every loaded ``mlx_lm.models.*`` module with ``make_dispatch``'s function, which routes by the
-cache the model passes:
+cache the model passes, by capability: a storage that attends its own way has
+``attend(queries, keys, values, *, scale, mask, sinks, dispatch, default)``, and no class is
+named here:
 
-- KVarN rows in the pool (one row's chunk or token, or a whole decode batch):
-  ``kvarn.paged_batch.paged_attention``;
-- the baselines' slot rows decoding as one batch: the fused ragged kernel where the device has
-  it (``kvarn.slot_attention``), one call per deep row where that is faster, else mlx-lm's own
-  attention over all rows;
-- other rows batched together (``kvarn.batch.BatchRows``): each row alone, through this dispatch;
-- affine caches where MLX lacks ``quantized_matmul`` kernels (CUDA): dequantized first;
-- anything else: mlx-lm's own function, unchanged.
+- ``kvarn.paged.PagedLayer.attend``: one KVarN row's prompt chunk (``kvarn.chunk_attention``) or
+  lone decode token; ``kvarn.paged_batch.PagedBatch.attend``: a whole decode batch in one graph
+  (``kvarn.paged_attention``);
+- ``kvarn.slots.SlotBatch.attend``: the baselines' decode batch (the fused ragged kernel where the
+  device has it, one call per deep row where that is faster, else ``default``);
+- ``kvarn.batch.BatchRows.attend``: other rows batched together, each row through ``dispatch``;
+- any other cache: ``default``, mlx-lm's own function (affine codes dequantized first where MLX
+  lacks their ``quantized_matmul`` kernels, CUDA).
 
 mlx-lm 0.32 has no attention-backend hook to register with, so this is the one seam; a model
 whose module no longer holds the name fails at start-up rather than silently running fp16.
@@ -28,11 +30,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
 
-from kvarn.batch import BatchRows, batch_attention
-from kvarn.paged import PagedLayer
-from kvarn.paged_batch import PagedBatch, paged_attention, reads_codes_directly
-from kvarn.slot_attention import attends_per_row, fused_decode, fused_decode_attention, per_row_attention
-from kvarn.slots import SlotBatch
+from kvarn.paged_attention import reads_codes_directly
 
 SEAM_NAME = "scaled_dot_product_attention"
 _SEAM_MARK = "__kvarn_seam__"
@@ -48,20 +46,21 @@ def affine_dequantized_attention(queries: mx.array, keys: tuple, values: tuple, 
 
 
 def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
-        if isinstance(cache, (PagedLayer, PagedBatch)):
-            if sinks is not None:
-                raise ValueError("KVarN attention does not support attention sinks")
-            return paged_attention(queries, cache, scale, mask)
-        if isinstance(cache, SlotBatch) and fused_decode(cache, queries, sinks):
-            return fused_decode_attention(queries, cache, scale)
-        if isinstance(cache, SlotBatch) and attends_per_row(cache):
-            return per_row_attention(queries, keys, values, cache, scale, sinks)
-        if isinstance(cache, BatchRows):
-            return batch_attention(scaled_dot_product_attention, queries, cache, scale, mask, sinks)
+    """The seam around mlx-lm's ``original`` function: a cache that knows how it attends (it has
+    ``attend``: paged KVarN rows and batches, slot batches, batches of other rows) is asked;
+    otherwise mlx-lm's own attention runs (affine codes dequantized first where MLX lacks their
+    kernels)."""
+    def default(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
         if isinstance(keys, tuple) and getattr(cache, "bits", None) is not None and not reads_codes_directly():
             return affine_dequantized_attention(queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
+        attend = getattr(cache, "attend", None)
+        if attend is None:
+            return default(queries, keys, values, cache, scale, mask, sinks)
+        return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
+                      dispatch=scaled_dot_product_attention, default=default)
 
     setattr(scaled_dot_product_attention, _SEAM_MARK, True)
     return scaled_dot_product_attention

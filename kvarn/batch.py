@@ -94,6 +94,11 @@ class BatchRows(_BaseCache):
     def state(self) -> list[Any]:
         raise NotImplementedError("a batch has no state of its own: save its rows")
 
+    def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
+               sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
+        """Each row over its own cache, through ``dispatch`` (the seam: by the row's own kind)."""
+        return batch_attention(dispatch, queries, self, scale, mask, sinks)
+
 
 class ChunkRows(BatchRows):
     """Prompt chunks of several rows of one layer in one forward, right-padded to the longest:

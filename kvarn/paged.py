@@ -30,11 +30,13 @@ import numpy as np
 
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from kvarn.chunk_attention import Chunk
+from kvarn.chunk_attention import Chunk, chunk_attention_over
 from kvarn.layout import KVLayout
+from kvarn.paged_attention import attention_dtype, decode_attention
 from kvarn.paged_step import StepIndex, decode_update, rounded
 from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks, \
     record_shapes
+from kvarn.step import step_of
 from kvarn.window import evicted_records
 
 
@@ -137,10 +139,10 @@ class PagedRow:
         if sorted(meta["views"], key=int) != sorted(map(str, self.layers), key=int):
             raise ValueError("a snapshot of a row with other layers")
         n = meta["records"]
-        self.first, self.table = meta["first"], self.pool.allocate("records", n) if n else []
         width = 2 + (len(RECORD_FIELDS) if n else 0)
         if len(arrays) != width * len(meta["written"]):
             raise ValueError("a snapshot with missing arrays")
+        self.first, self.table = meta["first"], self.pool.allocate("records", n) if n else []
         for i, l in enumerate(meta["written"]):
             parts = arrays[i * width: (i + 1) * width]
             _, H, _, D = parts[0].shape
@@ -321,6 +323,22 @@ class PagedLayer(_BaseCache):
             a.win_v[row.slot: row.slot + 1, :, G: G + rest] = v_all[..., num_full * G:, :]
         self.tail_len = rest
         return k_all, v_all
+
+    # --- attention (the seam's entry for one row: ``kvarn.attention``) ---
+    def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
+               sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
+        """One row's prompt chunk (the first one too: ``kvarn.chunk_attention``) or lone decode
+        token (the decode batch's path with one row)."""
+        if sinks is not None:
+            raise ValueError("KVarN attention does not support attention sinks")
+        chunk = self.chunk
+        if chunk is not None and (queries.shape[2] > 1 or chunk.start == 0):  # a prompt chunk (the first too)
+            sink_k, sink_v, rec_k, rec_v = self.history(attention_dtype(queries))
+            return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, self.layout.tile_size, scale,
+                                        rec_first=self.row.first, window=self.row.max_kv_size, step=step_of(self))
+        if self.index is None:
+            raise RuntimeError("paged decode attention before update_and_fetch")
+        return decode_attention(queries, [self], self.index, scale)
 
     # --- reading one row (prefill attention) ---
     def history(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:

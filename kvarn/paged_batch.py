@@ -1,12 +1,9 @@
-"""Attention over paged KVarN rows (``kvarn.paged``), and a decode batch of them: one graph per
-layer for all rows.
+"""A decode batch of paged KVarN rows (``kvarn.paged``): one graph per layer for all of them.
 
 A decode step writes every row's token and commits every tile that fills (``kvarn.paged_step``),
-then attention reads each row's window (one slice: the batch's windows are kept consecutive in
-batch order) and its records under a per-row validity mask made once per step (``StepIndex``):
-through the fused kernel where ``metal`` has one for this device, else straight from the pool's
-codes where MLX reads quantized codes (the CPU, Metal), else one SDPA over the records gathered
-and dequantized. A prompt chunk attends through ``kvarn.chunk_attention``.
+then attends every row over its window (one slice: the batch's windows are kept consecutive in
+batch order) and its records under a per-row validity mask made once per step (``StepIndex``;
+``kvarn.paged_attention``).
 """
 
 from __future__ import annotations
@@ -17,116 +14,14 @@ from typing import Any
 import mlx.core as mx
 
 from kvarn.batch import BatchRows
-from kvarn.chunk_attention import chunk_attention_over
 from kvarn.paged import PagedLayer
+from kvarn.paged_attention import decode_attention
 from kvarn.paged_step import StepIndex, decode_update, step_index
-from kvarn.pool import dequantize_blocks
-from kvarn.quantize import rotate
-from kvarn.step import step_of
-from metal import KERNELS
-from metal.paged_plan import make_plan
-
-
-def attention_dtype(queries: mx.array) -> mx.Dtype:
-    """Float32 where that is the compute dtype, else float16 (the storage dtype: bfloat16 would
-    round the float16 history again)."""
-    return mx.float32 if queries.dtype == mx.float32 else mx.float16
-
-
-def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: StepIndex, scale: float) -> mx.array:
-    """Decode attention of every row of one layer (queries [B, n_q, 1, D]) after ``decode_update``:
-    the fused kernel (``metal.cuda.paged_decode``, on Apple GPUs ``metal.msl.paged_decode``: reads
-    the pool in place) where ``metal.KERNELS`` has one for the shape,
-    else one SDPA over [window (sink, tail) | records]
-    gathered and dequantized from the pool (the reference path; where MLX reads quantized codes,
-    the CPU and Metal, the records are read straight from the pool's codes instead:
-    ``_quantized_matmul_attention``)."""
-    view0 = layers[0]
-    a = view0.row.pool.layers[view0.l]
-    layout = view0.layout
-    H, D = a.win_k.shape[1], a.win_k.shape[3]
-    kernel = KERNELS.paged_decode(head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
-                                  value_bits=layout.value_bits, n_rep=queries.shape[1] // H)
-    if kernel is not None and a.win_k.dtype == mx.float16 and queries.dtype != mx.float32:
-        L = index.lengths
-        plan = index.plans.get(H)
-        if plan is None:
-            plan = index.plans[H] = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
-        return kernel(queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v, table=index.table,
-                      lengths=L, scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, plan=plan)
-    if reads_codes_directly():
-        return _quantized_matmul_attention(queries, a, index, layout, scale)
-    dtype = attention_dtype(queries)
-    keys, vals = _windows(a, index)
-    keys, vals = keys.astype(dtype), vals.astype(dtype)
-    if index.table is not None:
-        rec_k, rec_v = dequantize_blocks(view0.row.pool.gather_records(view0.l, index.table), view0.layout, dtype)
-        keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
-    q = rotate(queries.astype(mx.float32)).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=index.mask)
-    return rotate(out.astype(mx.float32)).astype(queries.dtype)
-
-
-def reads_codes_directly() -> bool:
-    """Whether MLX here has ``quantized_matmul`` kernels for KVarN's transpose=False shapes (the CPU
-    and Metal; MLX's CUDA backend has none for some of them, e.g. 2-bit values with few rows)."""
-    return mx.default_device() == mx.cpu or mx.metal.is_available()
-
-
-def _windows(a: Any, index: StepIndex) -> tuple[mx.array, mx.array]:
-    """The batch's windows, their first ``index.win_len`` tokens (a slice when consecutive)."""
-    w, n = index.windows, index.win_len
-    if isinstance(w, tuple):
-        return a.win_k[w[0]: w[1], :, :n], a.win_v[w[0]: w[1], :, :n]
-    return a.win_k[w][:, :, :n], a.win_v[w][:, :, :n]
-
-
-def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, layout: Any, scale: float) -> mx.array:
-    """The reference path where MLX reads quantized codes (CPU, Metal): scores and values of the
-    records straight from the pool's codes through ``mx.gather_qmm`` (the block table picks each
-    row's blocks: nothing is gathered or dequantized), the windows by plain matmuls, one softmax
-    under the step's validity mask, in float32; the factored form keeps the per-token factors
-    (k_r, v_c) outside the products. 10-13x the gather-and-dequantize path on a CPU at 900-2,000
-    tokens a row (docs/benchmarks.md, "Decode speed")."""
-    B, n_q, _, D = queries.shape
-    H = a.win_k.shape[1]
-    R, G, f32 = n_q // H, layout.tile_size, mx.float32
-    win_k, win_v = _windows(a, index)
-    q = rotate(queries.astype(f32)).reshape(B, H, R, D) * scale
-    scores = [q @ mx.swapaxes(win_k, -1, -2).astype(f32)]
-    table = index.table
-    if table is not None:
-        rec = a.records
-        N, _, S, W, Gw = rec["k_codes"].shape
-        nb = table.shape[1]
-        heads = mx.arange(H)[:, None] * S + mx.arange(S)[None]  # [H, S]: (head, slice) of a block
-        rows = mx.broadcast_to(mx.arange(B)[:, None, None, None] * (H * S) + heads, (B, nb, H, S))
-        blocks = table[:, :, None, None] * (H * S) + heads  # [B, nb, H, S]
-        q_s = q.reshape(B, H, R, S, W).transpose(0, 1, 3, 2, 4).reshape(B * H * S, R, W)
-        raw = mx.gather_qmm(q_s, rec["k_codes"].reshape(N * H * S, W, Gw), rec["k_alpha"].reshape(N * H * S, W, 1),
-                            rec["k_beta"].reshape(N * H * S, W, 1), lhs_indices=rows, rhs_indices=blocks,
-                            transpose=False, group_size=G, bits=layout.key_bits)  # [B, nb, H, S, R, G]
-        k_r = rec["k_r"][table].astype(f32)  # [B, nb, H, S, G]
-        s_rec = mx.sum(raw * k_r[:, :, :, :, None, :], axis=3)  # [B, nb, H, R, G]
-        scores.append(s_rec.transpose(0, 2, 3, 1, 4).reshape(B, H, R, nb * G))
-    s = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    p = mx.softmax(mx.where(index.mask, s, -mx.inf), axis=-1)
-    n = index.win_len
-    out = p[..., :n] @ win_v.astype(f32)
-    if table is not None:
-        Dw = rec["v_codes"].shape[-1]
-        p_r = p[..., n:].reshape(B, H, R, nb, G).transpose(0, 3, 1, 2, 4).reshape(B * nb * H, R, G)
-        part = mx.gather_qmm(p_r, rec["v_codes"].reshape(N * H, G, Dw), rec["v_alpha"].reshape(N * H, G, S),
-                             rec["v_beta"].reshape(N * H, G, S), lhs_indices=mx.arange(B * nb * H).reshape(B, nb, H),
-                             rhs_indices=table[:, :, None] * H + mx.arange(H), transpose=False, group_size=D // S,
-                             bits=layout.value_bits)  # [B, nb, H, R, D]
-        out = out + mx.sum(part * rec["v_c"][table].astype(f32)[:, :, :, None, :], axis=1)
-    return rotate(out).astype(queries.dtype).reshape(B, n_q, 1, D)
 
 
 class PagedBatch(BatchRows):
-    """Layer ``l`` of the rows decoding together: one graph for all of them (the seam sends it to
-    ``paged_attention``, never row by row). Rows join (``extend``) and leave (``filter``) between
+    """Layer ``l`` of the rows decoding together: one graph for all of them (``attend``, never
+    row by row). Rows join (``extend``) and leave (``filter``) between
     steps; nothing of theirs is copied."""
 
     row_type = PagedLayer
@@ -162,18 +57,17 @@ class PagedBatch(BatchRows):
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         return None  # the validity mask is the step index's
 
+    def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
+               sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
+        """Every row's decode attention in one graph (``kvarn.paged_attention``)."""
+        if sinks is not None:
+            raise ValueError("KVarN attention does not support attention sinks")
+        if self.index is None:
+            raise RuntimeError("paged batch attention before update_and_fetch")
+        return decode_attention(queries, self.rows, self.index, scale)
+
 
 def paged_attention(queries: mx.array, cache: PagedLayer | PagedBatch, scale: float, mask: Any) -> mx.array:
-    """The seam's entry for paged caches: a whole decode batch, or one row's chunk or token."""
-    if isinstance(cache, PagedBatch):
-        if cache.index is None:
-            raise RuntimeError("paged batch attention before update_and_fetch")
-        return decode_attention(queries, cache.rows, cache.index, scale)
-    chunk = cache.chunk
-    if chunk is not None and (queries.shape[2] > 1 or chunk.start == 0):  # a prompt chunk (the first too)
-        sink_k, sink_v, rec_k, rec_v = cache.history(attention_dtype(queries))
-        return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, cache.layout.tile_size, scale,
-                                    rec_first=cache.row.first, window=cache.row.max_kv_size, step=step_of(cache))
-    if cache.index is None:
-        raise RuntimeError("paged decode attention before update_and_fetch")
-    return decode_attention(queries, [cache], cache.index, scale)
+    """A paged cache's attention (one row's chunk or token, or a whole decode batch) after its
+    ``update_and_fetch``, as the seam runs it inside a model's forward."""
+    return cache.attend(queries, cache, cache, scale=scale, mask=mask, sinks=None, dispatch=None, default=None)

@@ -10,13 +10,17 @@ masked call over the batch's slice is not the fastest path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 
-from kvarn.slots import SlotBatch
 from kvarn.step import step_of
 from metal import KERNELS
 from metal.cuda.ragged_decode import make_plan as make_ragged_plan
 from metal.cuda.ragged_decode import ragged_decode_attention
+
+if TYPE_CHECKING:  # annotations only: ``kvarn.slots`` imports this module
+    from kvarn.slots import SlotBatch
 
 
 def fused_decode(cache: SlotBatch, queries: mx.array, sinks: mx.array | None) -> bool:

@@ -55,6 +55,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
 from kvarn.layout import KVLayout
+from kvarn.slot_attention import attends_per_row, fused_decode, fused_decode_attention, per_row_attention
 from kvarn.step import StepContext, step_of
 
 Leg = mx.array | tuple[mx.array, ...]  # fp16: one array; affine: (codes, scales, biases)
@@ -474,6 +475,17 @@ class SlotBatch(_BaseCache):
     @property
     def nbytes(self) -> int:
         return sum(row.nbytes for row in self.rows)
+
+    def attend(self, queries: mx.array, keys: Leg, values: Leg, *, scale: float, mask: Any,
+               sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
+        """Every row at once: the fused ragged kernel where the device has it, one call per deep
+        row on other GPUs, else ``default`` (mlx-lm's attention, one masked call over the batch's
+        slice; ``kvarn.slot_attention``)."""
+        if fused_decode(self, queries, sinks):
+            return fused_decode_attention(queries, self, scale)
+        if attends_per_row(self):
+            return per_row_attention(queries, keys, values, self, scale, sinks)
+        return default(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
 
 
 def _flat_rows(lo: int, positions: Sequence[int], H: int, T: int) -> mx.array:

@@ -11,14 +11,13 @@ import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import RotatingKVCache
 
-from kvarn.attention import kvarn_attention
-from kvarn.cache import KVarNKVCache
 from kvarn.layout import KVLayout
-from kvarn.paged import PagedRow, fork_rows
+from kvarn.paged import PagedLayer, PagedRow
 from kvarn.paged_batch import PagedBatch, paged_attention
-from kvarn.pool import KVarNPool
+from kvarn.pool import RECORD_FIELDS, KVarNPool, dequantize_blocks
 from kvarn.rotating import AffineRotatingKVCache, FP16RotatingKVCache, make_window_cache
 from kvarn.window import committed_records, evicted_records
+from tests.kvarn import reference as R
 
 H, D, G = 2, 128, 64
 SCALE = D ** -0.5
@@ -96,11 +95,18 @@ def run_paged(window: int, chunks: list[int], K: mx.array, V: mx.array, Q: mx.ar
     return mx.concatenate(outs, axis=2), row
 
 
+def records(view: PagedLayer, blocks: list[int]) -> dict[str, np.ndarray]:
+    """The record fields of ``blocks`` of a view's layer (block-major, in that order)."""
+    fields = view.row.pool.gather_records(view.l, mx.array(blocks, dtype=mx.int32))
+    return {name: np.array(fields[name]) for name in RECORD_FIELDS}
+
+
 @pytest.mark.parametrize("window", [2 * G, 4 * G + 10])
-def test_prompt_chunks_see_what_decode_sees_and_the_single_stream_cache_agrees(window):
+def test_prompt_chunks_see_what_decode_sees_and_the_window_rule_holds(window):
     """A prompt well past the window, whole, in ragged chunks or token by token: the same
     attention for every token (the same records and float16 window; chunks attend window by
-    window), equal to the windowed single-stream cache decoding the same tokens."""
+    window); the records kept are the unwindowed row's, byte for byte, and every token attends
+    exactly the sink, records ``[evicted_records, committed)`` and its tail (float64 reference)."""
     rng = np.random.default_rng(11)
     T = 9 * G + 7
     K, V = kv(rng, T)
@@ -110,16 +116,27 @@ def test_prompt_chunks_see_what_decode_sees_and_the_single_stream_cache_agrees(w
     for chunks in ([T], [100, 300, T - 400], [3 * G, 5, 1, 1, T - 3 * G - 7]):
         chunked, _ = run_paged(window, chunks, K, V, Q)
         np.testing.assert_allclose(np.array(chunked), np.array(decoded), atol=5e-5, rtol=1e-5)
-    cache = KVarNKVCache(layout(window))
-    cache.update_and_fetch(K[:, :, :window], V[:, :, :window])
-    outs = [kvarn_attention(Q[:, :, :window], cache, SCALE, "causal")]
-    for p in range(window, T):
-        cache.update_and_fetch(K[:, :, p: p + 1], V[:, :, p: p + 1])
-        outs.append(kvarn_attention(Q[:, :, p: p + 1], cache, SCALE, None))
-    np.testing.assert_allclose(np.array(mx.concatenate(outs, axis=2)), np.array(decoded), atol=5e-5, rtol=1e-5)
-    assert cache.records.num_tiles == len(row.table) and cache.evicted == row.first
-    with pytest.raises(ValueError, match="within its window"):  # single-stream chunks past the window
-        KVarNKVCache(layout(window)).update_and_fetch(K, V)
+    plain = PagedRow(KVarNPool(layout(None), num_layers=1), [0]).layers[0]
+    plain.update_and_fetch(K, V)
+    c = committed_records(T, G)
+    assert plain.num_tiles == c and row.first + len(row.table) == c
+    kept, same = records(row.layers[0], row.table), records(plain, plain.row.table[row.first:])
+    assert all(kept[name].tobytes() == same[name].tobytes() for name in RECORD_FIELDS)
+    fields = plain.row.pool.gather_records(0, mx.array([plain.row.table], dtype=mx.int32))
+    rec_k, rec_v = (np.array(x)[0] for x in dequantize_blocks(fields, plain.layout, mx.float32))  # [H, c*G, D]
+    k_rot, v_rot = (R.rotate(np.array(x)[0]).astype(np.float16) for x in (K, V))  # [H, T, D]
+    q = np.array(Q)[0].astype(np.float64)
+    want = np.zeros(q.shape)
+    for p in range(T):
+        n = p + 1
+        done, gone = committed_records(n, G), evicted_records(n, window, G)
+        tail = slice(G + done * G, n) if n > G else slice(0, 0)
+        for h in range(H):
+            heads = slice(2 * h, 2 * h + 2)
+            recs = [(rec_k[h, r * G: (r + 1) * G], rec_v[h, r * G: (r + 1) * G]) for r in range(gone, done)]
+            want[heads, p] = R.reference_attention(q[heads, p: p + 1], k_rot[h, : min(n, G)], v_rot[h, : min(n, G)],
+                                                   recs, k_rot[h, tail], v_rot[h, tail], SCALE)[:, 0]
+    np.testing.assert_allclose(np.array(decoded)[0], want, atol=5e-5, rtol=1e-5)
 
 
 def test_a_window_not_yet_reached_is_the_unwindowed_row():
@@ -165,23 +182,20 @@ def test_a_windowed_row_decoding_far_past_its_window_holds_flat_bytes():
 
 def test_windowed_rows_decode_as_one_batch_as_each_alone_and_forks_share_their_blocks():
     """Rows of different lengths and windows' phases in one decode graph equal each alone (a
-    windowed single-stream cache), through evictions, a fork that shares its parent's blocks and
-    drops them on its own, and rows joining and leaving."""
+    windowed row in a pool of its own), through evictions, a fork that shares its parent's
+    blocks and drops them on its own, and rows joining and leaving."""
     rng = np.random.default_rng(14)
     window = 4 * G + 10
     pool = KVarNPool(layout(window), num_layers=1)
     starts = [5, 200, 4 * G, 7 * G + 3]
     rows = [PagedRow(pool, [0], window) for _ in starts]
-    alone = [KVarNKVCache(layout(window)) for _ in starts]
-    for n, row, cache in zip(starts, rows, alone):
+    alone = [PagedRow(KVarNPool(layout(window), num_layers=1), [0], window) for _ in starts]
+    for n, row, single in zip(starts, rows, alone):
         k, v = kv(rng, n)
-        first = min(n, window)  # the single-stream cache takes chunks within its window, then decodes
-        cache.update_and_fetch(k[:, :, :first], v[:, :, :first])
-        for i in range(first, n):
-            cache.update_and_fetch(k[:, :, i: i + 1], v[:, :, i: i + 1])
-        row.layers[0].update_and_fetch(k, v)
-        row.evict()
-    child = fork_rows([rows[3].layers[0]])[0].row
+        for r in (row, single):
+            r.layers[0].update_and_fetch(k, v)
+            r.evict()
+    child = rows[3].fork()
     assert child.table == rows[3].table and child.first == rows[3].first
     assert all(pool.records.refs[b] == 2 for b in child.table)
     rows.append(child)
@@ -199,13 +213,17 @@ def test_windowed_rows_decode_as_one_batch_as_each_alone_and_forks_share_their_b
         batch.update_and_fetch(k, v)
         out = paged_attention(q, batch, SCALE, None)
         for b, i in enumerate(live):
-            alone[i].update_and_fetch(k[b: b + 1], v[b: b + 1])
-            want = kvarn_attention(q[b: b + 1], alone[i], SCALE, None)
+            single = alone[i].layers[0]
+            single.update_and_fetch(k[b: b + 1], v[b: b + 1])
+            want = paged_attention(q[b: b + 1], single, SCALE, None)
             worst = max(worst, float(mx.max(mx.abs(out[b: b + 1] - want))))
     assert worst < 5e-5
     assert not set(child.table) & set(rows[3].table)  # both replaced the shared blocks with their own
-    for r in rows:
+    for r, single in zip(rows, alone):
         assert len(r.table) <= (window - G) // G
+        assert (r.first, len(r.table), r.layers[0].offset) == (single.first, len(single.table), single.layers[0].offset)
+        mine, theirs = records(r.layers[0], r.table), records(single.layers[0], single.table)
+        assert all(mine[name].tobytes() == theirs[name].tobytes() for name in RECORD_FIELDS)
     assert pool.records.num_held == len({b for r in rows for b in r.table})
 
 
