@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import stat
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -16,21 +17,45 @@ import pytest
 from apc.blocks import from_parts, to_parts
 from apc.disk_tier import DiskTier, Part
 from apc.hashing import block_keys, root_key
-from kvarn.cache import KVarNKVCache
+from apc.pool_tier import PoolTier
 from kvarn.layout import KVLayout
+from kvarn.paged import PagedRow, single_tile
+from kvarn.pool import RECORD_FIELDS, KVarNPool
 
 G = 64
 LAYOUT = KVLayout.kvarn("k4v2", tile_size=G)
 
 
+@dataclass(frozen=True)
+class Block:
+    """One prefix-cache block of a KVarN row as the disk tier stores it: the float16 sink, or a
+    record in the single-tile format."""
+
+    kind: str
+    arrays: tuple[mx.array, ...]
+
+
 def blocks_of_a_row(n_blocks: int = 3):
+    """A row of n_blocks * G tokens in a pool of its own, its blocks and their keys."""
     rng = np.random.default_rng(0)
     k = mx.array(rng.standard_normal((1, 2, n_blocks * G, 128)).astype(np.float32))
     v = mx.array(rng.standard_normal((1, 2, n_blocks * G, 128)).astype(np.float32))
-    row = KVarNKVCache(LAYOUT)
-    row.update_and_fetch(k, v)
+    pool = KVarNPool(LAYOUT, 1)
+    row = PagedRow(pool, [0])
+    row.layers[0].update_and_fetch(k, v)
+    a, s = pool.layers[0], row.slot
+    blocks = [Block("sink", (a.win_k[s: s + 1, :, :G].astype(mx.float16), a.win_v[s: s + 1, :, :G].astype(mx.float16)))]
+    if n_blocks > 1:
+        fields = pool.gather_records(0, mx.array(row.table[: n_blocks - 1], dtype=mx.int32))
+        blocks += [Block("record", single_tile({name: x[i] for name, x in fields.items()}))
+                   for i in range(n_blocks - 1)]
     tokens = list(range(1000, 1000 + n_blocks * G))
-    return row, row.blocks(n_blocks), block_keys(tokens, G, root_key("stamp", "model"))
+    return row, blocks, block_keys(tokens, G, root_key("stamp", "model"))
+
+
+def same(x: mx.array, y: mx.array) -> bool:
+    x, y = np.array(x), np.array(y)
+    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
 def parts_equal(a: list[Part], b: list[Part]) -> bool:
@@ -57,12 +82,24 @@ def test_round_trip_permissions_and_restart(tmp_path, tier):
     try:
         assert len(restarted) == 3 and restarted.stats.bytes == tier.stats.bytes
         got = [restarted.get(k.key, k.tokens) for k in keys]
+        assert all(parts_equal(g, to_parts(b.kind, b.arrays)) for g, b in zip(got, blocks))
         kinds_arrays = [from_parts(p) for p in got]
-        rebuilt = KVarNKVCache.from_blocks(LAYOUT, [type(blocks[0])(i, kind, arrays)
-                                                   for i, (kind, arrays) in enumerate(kinds_arrays)])
-        original = KVarNKVCache.from_blocks(LAYOUT, blocks)
-        mx.eval(rebuilt.state, original.state)
-        assert [np.array(a).tobytes() for a in rebuilt.state] == [np.array(a).tobytes() for a in original.state]
+        assert [kind for kind, _ in kinds_arrays] == ["sink", "record", "record"]
+        for (_, arrays), block in zip(kinds_arrays, blocks):
+            assert len(arrays) == len(block.arrays) and all(same(x, y) for x, y in zip(arrays, block.arrays))
+        # the blocks read back rebuild the row in a fresh pool, byte for byte
+        pool = KVarNPool(LAYOUT, 1)
+        memory = PoolTier(pool)
+        assert memory.load(None, list(zip(keys, got))) == (3, None)
+        rebuilt = PagedRow(pool, [0])
+        memory.adopt(memory.pin(memory.lookup(keys)), rebuilt)
+        view, original = rebuilt.layers[0], row.layers[0]
+        assert (view.offset, view.num_tiles, view.tail_len) == (original.offset, original.num_tiles, 0) == (3 * G, 2, 0)
+        assert same(pool.layers[0].win_k[rebuilt.slot, :, :G], row.pool.layers[0].win_k[row.slot, :, :G])
+        assert same(pool.layers[0].win_v[rebuilt.slot, :, :G], row.pool.layers[0].win_v[row.slot, :, :G])
+        mine = pool.gather_records(0, mx.array(rebuilt.table, dtype=mx.int32))
+        theirs = row.pool.gather_records(0, mx.array(row.table, dtype=mx.int32))
+        assert all(same(mine[name], theirs[name]) for name in RECORD_FIELDS)
     finally:
         restarted.close()
 
