@@ -373,7 +373,7 @@ class PagedLayer(_BaseCache):
     @property
     def state(self) -> list[mx.array]:
         """The pool arrays this layer's row lives in (what evaluating a step must settle). Paged
-        rows are shared block by block by the prefix cache (``engine/pool_tier.py``), never
+        rows are shared block by block by the prefix cache (``apc/pool_tier.py``), never
         snapshotted whole."""
         return self.row.pool.layers[self.l].arrays()
 
