@@ -372,9 +372,9 @@ class PagedLayer(_BaseCache):
 
     @property
     def state(self) -> list[mx.array]:
-        """The pool arrays this layer's row lives in (what evaluating a step must settle). Paged
-        rows are shared block by block by the prefix cache (``apc/pool_tier.py``), never
-        snapshotted whole."""
+        """The pool arrays this layer's row lives in (what evaluating a step must settle). The
+        prefix cache shares a row block by block (``apc/pool_tier.py``) or, for models with layers
+        of their own, copies it whole (``PagedRow.snapshot``)."""
         return self.row.pool.layers[self.l].arrays()
 
     @property
