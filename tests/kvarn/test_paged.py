@@ -23,8 +23,13 @@ from tests.metal.cases import max_rel_error
 H, D, G = 2, 128, 64
 LAYOUT = KVLayout.kvarn("k4v2", tile_size=G)
 SCALE = D ** -0.5
-DECODE_TOL = 1.5e-5  # max |a - b| / max |b| of float32 decode attention vs float64 (measured 1.3e-6)
-NOISE = 2e-5  # the same attention by two float32 paths (batched vs alone, chunk vs decode)
+# On the CPU: max |a - b| / max |b| of float32 decode attention vs float64 (measured 1.3e-6), and of
+# the same attention by two float32 paths (batched vs alone, chunk vs decode). MLX's CUDA backend
+# runs float32 matmuls as TF32 (a 10-bit mantissa): there two paths summing in other orders differ
+# ~2.5e-4 (H100), so the bounds are TF32's.
+ON_CPU = mx.default_device() == mx.cpu
+DECODE_TOL = 1.5e-5 if ON_CPU else 2e-3
+NOISE = 2e-5 if ON_CPU else 2e-3
 
 
 def kv(rng: np.random.Generator, n: int, rows: int = 1) -> tuple[mx.array, mx.array]:
