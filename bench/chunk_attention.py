@@ -5,7 +5,7 @@
 
 Shape: 32 query / 8 KV heads, D = 128, G = 128, queries in bfloat16 (the 8B shape), history in
 float16 (the sink, the dequantized records, the chunk's float16 window), as
-``kvarn.paged_batch.paged_attention`` hands them over. Each case is a chunk of C tokens starting
+``kvarn.paged.PagedLayer.attend`` hands them over. Each case is a chunk of C tokens starting
 at position ``start`` (the records then cover every full tile before the chunk's end). Timing: 32
 calls queued per ``mx.eval`` (one a layer, as a prompt chunk of a 32-layer model), on 4 copies of
 the data in turn, median of 7 repetitions after a warm-up; ``build_ms`` is the Python time to

@@ -50,6 +50,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvarn.paged_batch as paged_batch  # noqa: E402
+import kvarn.paged_step as paged_step  # noqa: E402
 import kvarn.pool as pool_mod  # noqa: E402
 from bench.device_engine import TILE, Recorder, arm_config, build_model, environment, log  # noqa: E402
 from engine.bench import _prompt  # noqa: E402
@@ -96,8 +97,8 @@ class Phases:
         patch(pool_mod.KVarNPool, "write_records",
               timed("write_records", pool_mod.KVarNPool.write_records,
                     lambda out, args: list(args[0].layers[args[1]].records.values())))
-        patch(paged_batch, "quantize_window_tails",
-              timed("quantize", paged_batch.quantize_window_tails, lambda out, args: list(out.values())))
+        patch(paged_step, "quantize_window_tails",
+              timed("quantize", paged_step.quantize_window_tails, lambda out, args: list(out.values())))
         patch(paged_batch, "decode_update",
               timed("update_total", paged_batch.decode_update, lambda out, args: layer_arrays(args)))
         patch(paged_batch, "decode_attention",
