@@ -71,7 +71,7 @@ class BatchRows(_BaseCache):
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"{keys.shape[0]} rows of keys for a batch of {len(self.rows)}")
         self.fetched = [row.update_and_fetch(keys[b: b + 1], values[b: b + 1]) for b, row in enumerate(self.rows)]
-        return self, self
+        return None, None  # nothing to fetch: the storage attends itself (``attend``)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         masks = tuple(row.make_mask(N, return_array=return_array, window_size=window_size) for row in self.rows)
@@ -125,7 +125,7 @@ class ChunkRows(BatchRows):
         fetched = [row.update_and_fetch(keys[b: b + 1, :, :n], values[b: b + 1, :, :n])
                    for b, (row, n) in enumerate(zip(self.rows, self.lengths))]
         self.fetched = [row.fetch() if hasattr(row, "fetch") else got for row, got in zip(self.rows, fetched)]
-        return self, self
+        return None, None  # nothing to fetch: the storage attends itself (``attend``)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if N < max(self.lengths):

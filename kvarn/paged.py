@@ -217,8 +217,8 @@ class PagedLayer(_BaseCache):
     committed (the true count: positions follow from it), ``num_tiles * G`` tokens; the tail holds
     ``tail_len`` < G; trim is tail-only (tokens in the sink or a committed record stay). A
     windowed row's table holds only records ``row.first ..`` (``PagedRow.kept``: the ones this
-    view attends). ``update_and_fetch`` returns the view itself: attention reads the row's
-    storage (``kvarn.paged_batch.paged_attention``)."""
+    view attends). ``update_and_fetch`` writes and fetches nothing: the view attends through its
+    own storage (``attend``, which the attention seam calls)."""
 
     def __init__(self, row: PagedRow, l: int) -> None:
         self.row = row
@@ -263,11 +263,11 @@ class PagedLayer(_BaseCache):
         if keys.shape[2] == 1 and self.offset > 0:
             self.index = decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
             self.chunk = None
-            return self, self
+            return None, None  # nothing to fetch: the storage attends itself (``attend``)
         self.index = None
         self.row.evict()
         self.write_chunk(keys, values)
-        return self, self
+        return None, None  # nothing to fetch: the storage attends itself (``attend``)
 
     def write_chunk(self, keys: mx.array, values: mx.array) -> None:
         """Tokens ``[offset, offset + L)``: rotated and rounded to float16, the first G into the

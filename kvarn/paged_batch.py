@@ -52,7 +52,7 @@ class PagedBatch(BatchRows):
         if keys.shape[0] != len(self.rows) or keys.shape[2] != 1:
             raise ValueError(f"a paged batch of {len(self.rows)} rows takes [B, H, 1, D] keys, not {keys.shape}")
         self.index = decode_update(self.rows, keys, values)
-        return self, self
+        return None, None  # nothing to fetch: the storage attends itself (``attend``)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         return None  # the validity mask is the step index's

@@ -36,7 +36,8 @@ pool holds the only reference).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -145,9 +146,7 @@ def quantize_blocks_reference(keys: mx.array, values: mx.array, layout: KVLayout
     built in Python at every commit, for tile counts padded to a power of two (tiles are quantized
     independently, so the zero padding changes nothing; on CUDA each compiled shape costs a JIT
     compile)."""
-    fn = _COMPILED.get(layout)
-    if fn is None:
-        fn = _COMPILED[layout] = mx.compile(lambda k, v: tuple(_quantize_blocks(k, v, layout)[n] for n in RECORD_FIELDS))
+    fn = _compiled_quantizer(layout)
     n = keys.shape[0]
     bucket = 1 << max(n - 1, 0).bit_length()  # padded to a power of two: a few compiled shapes, not one per n
     if bucket != n:
@@ -156,7 +155,10 @@ def quantize_blocks_reference(keys: mx.array, values: mx.array, layout: KVLayout
     return {name: x[:n] for name, x in zip(RECORD_FIELDS, fn(keys, values))}
 
 
-_COMPILED: dict[KVLayout, object] = {}
+@functools.lru_cache(maxsize=None)
+def _compiled_quantizer(layout: KVLayout) -> Callable[[mx.array, mx.array], tuple[mx.array, ...]]:
+    """The quantizer of one layout under ``mx.compile`` (made once per layout and process)."""
+    return mx.compile(lambda k, v: tuple(_quantize_blocks(k, v, layout)[n] for n in RECORD_FIELDS))
 
 
 def warm_quantizer(layout: KVLayout, H: int, D: int, max_tiles: int) -> None:
