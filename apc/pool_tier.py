@@ -118,7 +118,10 @@ class PoolTier:
         return self.pool.records.lookup(key) is not None or self.pool.sinks.lookup(key) is not None
 
     def __len__(self) -> int:
-        return len(self.pool.records.hash_of) + len(self.pool.sinks.hash_of)
+        """Cached blocks (the sinks' and records'; a cached tail, fewer than G tokens, is no block)."""
+        G = self.pool.layout.tile_size
+        sinks = sum(1 for b in self.pool.sinks.hash_of if len(self.pool.sinks.meta_of.get(b) or ()) == G)
+        return len(self.pool.records.hash_of) + sinks
 
     def insert(self, block: BlockKey, parent: BlockKey | None, item: Any) -> bool:
         """Cache ``block``: ``item`` is a held record id (hashed in place) or ``SinkOf(row)``
