@@ -23,6 +23,8 @@ Engine thread only (it makes MLX arrays)."""
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,12 +70,21 @@ class SinkOf:
 
 @dataclass
 class PoolHit:
-    """Pinned blocks of a hit: the sink id and the record ids (counted for the hit's holder until
+    """Pinned blocks of a hit: the sink id and the record ids, and a cached tail (``tail`` a sink
+    id of which the first ``tail_len`` positions are reused) (counted for the hit's holder until
     ``PoolTier.adopt`` or ``PoolTier.unpin``)."""
 
     sink: int
     records: list[int]
     pinned: bool = True
+    tail: int | None = None
+    tail_len: int = 0
+
+
+def tail_key(parent: BlockKey) -> bytes:
+    """The key of the tail cached after block ``parent`` (the float16 tokens of the partial tile
+    that followed it in a prompt)."""
+    return hashlib.blake2b(parent.key + b"/tail", digest_size=len(parent.key)).digest()
 
 
 @dataclass
@@ -107,7 +118,10 @@ class PoolTier:
         return self.pool.records.lookup(key) is not None or self.pool.sinks.lookup(key) is not None
 
     def __len__(self) -> int:
-        return len(self.pool.records.hash_of) + len(self.pool.sinks.hash_of)
+        """Cached blocks (the sinks' and records'; a cached tail, fewer than G tokens, is no block)."""
+        G = self.pool.layout.tile_size
+        sinks = sum(1 for b in self.pool.sinks.hash_of if len(self.pool.sinks.meta_of.get(b) or ()) == G)
+        return len(self.pool.records.hash_of) + sinks
 
     def insert(self, block: BlockKey, parent: BlockKey | None, item: Any) -> bool:
         """Cache ``block``: ``item`` is a held record id (hashed in place) or ``SinkOf(row)``
@@ -253,16 +267,46 @@ class PoolTier:
         mx.eval(arrays)
         return to_parts(kind, arrays)
 
+    # --- tails: a prompt's partial tile after its last whole block (token-granular hits) ---
+    def insert_tail(self, parent: BlockKey, row: PagedRow, tokens: Sequence[int]) -> bool:
+        """Cache the tail a row holds after block ``parent`` (its window's tail part, whose
+        tokens are ``tokens``, 1 to G - 1 of them) in a sink block, if none is cached there yet
+        and the budget has room. Memory only: tails are neither written to disk nor published."""
+        key = tail_key(parent)
+        if not 0 < len(tokens) < self.pool.layout.tile_size or parent.key not in self \
+                or self.pool.sinks.lookup(key) is not None or not self._room_for(self.pool.sink_bytes()):
+            return False
+        tail = self.pool.save_sink(row.slot, part="tail")
+        self.pool.sinks.set_hash(tail, key, tuple(tokens))
+        self.pool.sinks.decref([tail])  # the cache's alone
+        return True
+
+    def find_tail(self, parent: BlockKey, following: Sequence[int]) -> tuple[int, int] | None:
+        """(sink id, tokens reused) of the tail cached after ``parent`` whose first tokens are
+        ``following``'s (the longest common run, at least one), or None."""
+        tail = self.pool.sinks.lookup(tail_key(parent))
+        if tail is None:
+            return None
+        cached = self.pool.sinks.meta_of.get(tail) or ()
+        n = 0
+        for a, b in zip(cached, following):
+            if a != b:
+                break
+            n += 1
+        return (tail, n) if n else None
+
     # --- hits ---
-    def pin(self, hits: list[int]) -> PoolHit:
+    def pin(self, hits: list[int], tail: tuple[int, int] | None = None) -> PoolHit:
         self.pool.sinks.incref(hits[:1])
         self.pool.records.incref(hits[1:])
-        return PoolHit(hits[0], list(hits[1:]))
+        if tail is not None:
+            self.pool.sinks.incref([tail[0]])
+        return PoolHit(hits[0], list(hits[1:]), tail=tail[0] if tail else None, tail_len=tail[1] if tail else 0)
 
     def unpin(self, hit: PoolHit) -> None:
         if hit.pinned:
             hit.pinned = False
-            self.pool.sinks.decref([hit.sink])
+            self.pool.sinks.decref([hit.sink] + ([hit.tail] if hit.tail is not None else []))
             self.pool.records.decref(hit.records)
 
     def adopt(self, hit: PoolHit, row: PagedRow) -> None:
@@ -276,9 +320,13 @@ class PoolTier:
         row.sink = (hit.sink, self.pool.sinks.hash_of[hit.sink])
         self.pool.sinks.decref([hit.sink])
         row.table = list(hit.records)  # the records' pins become the row's references
+        if hit.tail is not None:  # the tail's first ``tail_len`` tokens into the window's tail part
+            self.pool.load_sink(hit.tail, row.slot, part="tail")
+            self.pool.sinks.decref([hit.tail])
         hit.pinned = False
         for view in row.layers.values():
-            view.offset, view.num_tiles, view.tail_len = (1 + len(hit.records)) * G, len(hit.records), 0
+            view.offset = (1 + len(hit.records)) * G + hit.tail_len
+            view.num_tiles, view.tail_len = len(hit.records), hit.tail_len
 
     # --- bytes ---
     @property

@@ -146,13 +146,13 @@ class PrefixCache:
         self._publish_stored([block for block, _ in found[:loaded]], parent)
         self._from_disk.update(block.key for block, _ in found[:loaded])
 
-    def record(self, query_tokens: int, keys: Sequence[BlockKey]) -> None:
+    def record(self, query_tokens: int, keys: Sequence[BlockKey], tail_tokens: int = 0) -> None:
         """Count one request's lookup and the hit it took (blocks loaded from disk for it count
-        as disk hits)."""
+        as disk hits; ``tail_tokens`` of a cached partial tile after them, memory hits)."""
         on_disk = sum(1 for k in keys if k.key in self._from_disk)
         self._from_disk.difference_update(k.key for k in keys)
         G = self.block_size
-        self._count(query_tokens, (len(keys) - on_disk) * G, on_disk * G)
+        self._count(query_tokens, (len(keys) - on_disk) * G + tail_tokens, on_disk * G)
 
     def insert(self, chain: Sequence[BlockKey], start: int, items: Sequence[Any]) -> int:
         """Cache blocks ``start .. start + len(items) - 1`` of ``chain`` (memory, and disk if

@@ -175,8 +175,12 @@ class PrefixReuse:
             keys, hits = found
             if not hits:
                 return None
-            if self.pool_tier is not None:
-                return Restore(len(hits) * self.G, keys, pool=self.pool_tier.pin(hits))
+            if self.pool_tier is not None:  # the blocks, then the tail cached after them (all but the last token)
+                tail = None
+                if self.layout.max_kv_size is None:
+                    tail = self.pool_tier.find_tail(keys[-1], request.prompt_ids[len(hits) * self.G: -1])
+                hit = self.pool_tier.pin(hits, tail)
+                return Restore(len(hits) * self.G + hit.tail_len, keys, pool=hit)
             return Restore(len(hits) * self.G, keys, blocks=hits)
         found = self.cache.longest_snapshot(request.prompt_ids, request.cache_salt, disk=disk)
         if found is PENDING:
@@ -201,7 +205,7 @@ class PrefixReuse:
         query = request.num_prompt_tokens
         if self.tier == "exact":
             keys = restore.keys if restore is not None else []
-            self.cache.record(query, keys)
+            self.cache.record(query, keys, restore.pool.tail_len if restore is not None and restore.pool else 0)
             if keys:
                 self.progress[rid] = _Progress(next_block=len(keys), keys=list(keys))
         else:
@@ -270,26 +274,30 @@ class PrefixReuse:
         if self.layout.max_kv_size is not None:  # a windowed row publishes only what no eviction touched
             complete = min(complete, self.layout.max_kv_size // self.G)
         start = progress.next_block
-        if complete <= start:
-            return
         tokens = (request.prompt_ids + request.output_ids)[:computed]
-        progress.keys = self.cache.chain(tokens, request.cache_salt, progress.keys)
-        if self.pool_tier is not None:  # the row's own blocks (its sink copied once)
-            row = cache[0].row
-            items = [SinkOf(row) if i == 0 else row.record_block(i - 1) for i in range(start, complete)]
-            if None in items:  # evicted from a windowed row's table before it was cached: the chain stops
-                items = items[: items.index(None)]
+        if complete > start:
+            progress.keys = self.cache.chain(tokens, request.cache_salt, progress.keys)
+            if self.pool_tier is not None:  # the row's own blocks (its sink copied once)
+                row = cache[0].row
+                items = [SinkOf(row) if i == 0 else row.record_block(i - 1) for i in range(start, complete)]
+                if None in items:  # evicted from a windowed row's table before it was cached: the chain stops
+                    items = items[: items.index(None)]
+                    progress.done = True
+                    if not items:
+                        return
+            else:
+                items = [self._layout_block(cache, i) for i in range(start, complete)]
+                # evaluated now: a pending copy would keep its source (the row's whole buffer) alive
+                mx.eval([a for payload in items for a in payload.arrays])
+            held = self.cache.insert(progress.keys, start, items)
+            progress.next_block = complete
+            if held < len(items):  # a block the cache refused: nothing after it can be reached
                 progress.done = True
-                if not items:
-                    return
-        else:
-            items = [self._layout_block(cache, i) for i in range(start, complete)]
-            # evaluated now: a pending copy would keep its source (the row's whole buffer) alive
-            mx.eval([a for payload in items for a in payload.arrays])
-        held = self.cache.insert(progress.keys, start, items)
-        progress.next_block = complete
-        if held < len(items):  # a block the cache refused: nothing after it can be reached
-            progress.done = True
+                return
+        if (self.pool_tier is not None and computed == request.num_prompt_tokens and computed % self.G
+                and self.layout.max_kv_size is None and 0 < complete <= len(progress.keys)):
+            # the prompt is in: its partial last tile too, so a repeat recomputes only its last token
+            self.pool_tier.insert_tail(progress.keys[complete - 1], cache[0].row, tokens[complete * self.G:])
 
     def _layout_block(self, cache: list[Any], i: int) -> Payload:
         """Block ``i`` of an fp16 / affine row as a payload of copies."""

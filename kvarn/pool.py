@@ -329,23 +329,31 @@ class KVarNPool:
         return {name: records[name][table] for name in RECORD_FIELDS}
 
     # --- cached sinks ---
-    def save_sink(self, slot: int) -> int:
-        """A new sink id (count 1) holding window ``slot``'s sink, every layer."""
+    def save_sink(self, slot: int, part: str = "sink") -> int:
+        """A new sink id (count 1) holding window ``slot``'s sink (``part`` "sink": its first G
+        tokens) or its tail part (``part`` "tail": the G positions after the sink, of which the
+        row's ``tail_len`` are tokens), every layer."""
         sink = self.allocate("sinks", 1)[0]
-        G = self.layout.tile_size
+        where = self._part(part)
         for l, a in enumerate(self.layers):
             if self.shapes[l] is not None:
-                a.sink_k[sink: sink + 1] = mx.array(a.win_k[slot: slot + 1, :, :G].astype(STORE_DTYPE))
-                a.sink_v[sink: sink + 1] = mx.array(a.win_v[slot: slot + 1, :, :G].astype(STORE_DTYPE))
+                a.sink_k[sink: sink + 1] = mx.array(a.win_k[slot: slot + 1, :, where].astype(STORE_DTYPE))
+                a.sink_v[sink: sink + 1] = mx.array(a.win_v[slot: slot + 1, :, where].astype(STORE_DTYPE))
         return sink
 
-    def load_sink(self, sink: int, slot: int) -> None:
-        """Window ``slot``'s sink := cached sink ``sink``, every layer."""
-        G = self.layout.tile_size
+    def load_sink(self, sink: int, slot: int, part: str = "sink") -> None:
+        """Window ``slot``'s sink (or tail part, ``part`` "tail") := cached sink ``sink``, every layer."""
+        where = self._part(part)
         for l, a in enumerate(self.layers):
             if self.shapes[l] is not None:
-                a.win_k[slot: slot + 1, :, :G] = mx.array(a.sink_k[sink: sink + 1].astype(self.window_dtype))
-                a.win_v[slot: slot + 1, :, :G] = mx.array(a.sink_v[sink: sink + 1].astype(self.window_dtype))
+                a.win_k[slot: slot + 1, :, where] = mx.array(a.sink_k[sink: sink + 1].astype(self.window_dtype))
+                a.win_v[slot: slot + 1, :, where] = mx.array(a.sink_v[sink: sink + 1].astype(self.window_dtype))
+
+    def _part(self, part: str) -> slice:
+        G = self.layout.tile_size
+        if part not in ("sink", "tail"):
+            raise ValueError(f"a window has a sink part and a tail part, not {part!r}")
+        return slice(0, G) if part == "sink" else slice(G, 2 * G)
 
     def write_sink(self, l: int, sink: int, keys: mx.array, values: mx.array) -> None:
         """Layer ``l`` of cached sink ``sink`` := ``keys``, ``values`` [1, H, G, D] (a block read from disk)."""

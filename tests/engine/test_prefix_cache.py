@@ -8,7 +8,8 @@ memory or disk is identical to the output without the cache (fp16 and KVarN, eve
 here); on random tiny models a rounding difference can flip a quantization code of a tile both
 runs quantize, so those tests bound the logprob difference and allow divergence only at a
 near-tie. Hits are whole blocks of G = 128 tokens, never the block holding a prompt's last
-token.
+token; KVarN hits also take the float16 tail cached after a prompt's last whole block, up to the
+new prompt's last token.
 """
 
 from __future__ import annotations
@@ -72,19 +73,41 @@ def cached_engine(loaded, scheme: str, **apc):
 # --- exact hits, exact answers ---
 
 @pytest.mark.parametrize("scheme", ["fp16", "kvarn", "affine"])
-def test_a_repeated_prompt_restores_all_but_its_last_block_and_answers_the_same(loaded, ids, references, scheme):
+def test_a_repeated_prompt_restores_all_but_its_last_token_or_block_and_answers_the_same(loaded, ids, references,
+                                                                                         scheme):
+    """KVarN (the pool tier) restores a repeated prompt's whole blocks and the float16 tail cached
+    after them: all but the prompt's last token. fp16 / affine restore whole blocks."""
     engine = cached_engine(loaded, scheme)
     prompt = ids[:700]
     want, _ = run(references[scheme], prompt)
     first, cached_first = run(engine, prompt)
     second, cached_second = run(engine, prompt)
-    assert (cached_first, cached_second) == (0, (700 - 1) // G * G)
+    hit = 700 - 1 if scheme == "kvarn" else (700 - 1) // G * G
+    assert (cached_first, cached_second) == (0, hit)
     assert first == want and second == want
     stats = engine.prefix_cache_stats()
-    assert stats["lookups"] == 2 and stats["hit_tokens"] == 640 and stats["query_tokens"] == 1400
-    # a prompt of exactly k blocks reuses k - 1 (its last token is always computed)
+    assert stats["lookups"] == 2 and stats["hit_tokens"] == hit and stats["query_tokens"] == 1400
+    # a prompt of exactly k blocks reuses k - 1 (its last token is always computed, and the k-th
+    # block was cached as a record, which cannot be cut)
     _, cached = run(engine, ids[:640])
     assert cached == 512
+
+
+def test_a_kvarn_tail_serves_prompts_that_share_its_first_tokens_only(loaded, ids, references):
+    """The tail cached after a prompt's last whole block serves a later prompt as far as their
+    tokens agree (at least one), and never past the later prompt's last token but one; the
+    answers are those of an engine without the cache."""
+    engine = cached_engine(loaded, "kvarn")
+    run(engine, ids[:700])  # blocks 0..4 (640 tokens) and a tail of 60
+    longer = ids[:760]  # the same 60 tokens, then more: the whole tail, the rest prefilled
+    got, cached = run(engine, longer)
+    assert cached == 700 and got == run(references["kvarn"], longer)[0]
+    other = ids[:650] + [t + 1 for t in ids[650:700]]  # parts from the tail after 10 tokens
+    got, cached = run(engine, other)
+    assert cached == 650 and got == run(references["kvarn"], other)[0]
+    shorter = ids[:660]  # a prompt inside the tail: all but its last token
+    got, cached = run(engine, shorter)
+    assert cached == 659 and got == run(references["kvarn"], shorter)[0]
 
 
 # KVarN: a turn's generated tokens were computed one at a time in decode, the run without the
@@ -118,7 +141,8 @@ def test_multi_turn_reuses_the_previous_prompt_and_its_generated_blocks(loaded, 
     # the third turn reuses the second's prompt and answer
     turn3 = turn2 + got[0] + ids[1300:1400]
     want3, got3 = run_lp(references[scheme], turn3, max_tokens=8), run_lp(engine, turn3, max_tokens=8)
-    assert got3[2] == (len(turn2) + 24 - 1) // G * G
+    # fp16: whole blocks; KVarN: whole blocks and turn 2's prompt tail after them (its answer was decoded after it)
+    assert got3[2] == ((len(turn2) + 24 - 1) // G * G if scheme == "fp16" else len(turn2))
     if scheme == "fp16":
         assert got3[0] == want3[0]
     else:
@@ -163,7 +187,7 @@ def test_forks_report_the_cached_tokens(loaded, ids):
     finals = {}
     while engine.has_work():
         finals.update({o.request_id: o.num_cached_tokens for o in engine.step() if o.finished})
-    assert finals == {"p": 384, "p-1": 384, "p-2": 384}
+    assert finals == {"p": 399, "p-1": 399, "p-2": 399}  # the blocks and the tail: all but the last token
 
 
 def test_requests_sharing_a_3k_prefix_hold_its_blocks_once(loaded, ids, references):
@@ -192,7 +216,7 @@ def test_requests_sharing_a_3k_prefix_hold_its_blocks_once(loaded, ids, referenc
             assert pool.records.num_held == shared - 1 + own  # the prefix once, each row's own blocks
             assert engine.runner.kv_nbytes() <= engine.scheduler.reserved_bytes
             seen = True
-    assert seen and all(r.num_cached_tokens == shared * G for r in requests)
+    assert seen and all(r.num_cached_tokens == 3000 for r in requests)  # the blocks and the prefix's tail
     for r, tail in zip(requests, tails):
         assert r.output_ids == run(references["kvarn"], prefix + tail, max_tokens=8)[0]
 

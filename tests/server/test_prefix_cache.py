@@ -39,7 +39,8 @@ from tests.server.conftest import API_KEY, MODEL_ID, Server, chatml, client_of, 
 
 BLOCK = 128  # the KVarN tile of the default layout: the prefix cache's block
 CHUNK = 512  # kvarn serve's default --prefill-chunk-size
-WARM = 512  # what a 513..640-token prompt reuses when it comes again: (n - 1) // 128 whole blocks
+WARM = 512  # what a 513..640-token prompt reuses as whole blocks alone: (n - 1) // 128 of them (from disk
+# after a restart, or where the memory cap leaves no room for its float16 tail)
 
 _SENTENCES = (
     "The shell reads a line, splits it into words, expands variables and globs, and runs the first word as a "
@@ -87,8 +88,9 @@ def cached_tokens(usage: dict[str, Any]) -> int:
 
 
 def warm_tokens(prompt_tokens: int) -> int:
-    """What a repeat of a ``prompt_tokens`` prompt reuses: its whole blocks, never its last token."""
-    return BLOCK * ((prompt_tokens - 1) // BLOCK)
+    """What a repeat of a ``prompt_tokens`` prompt reuses from memory (KVarN, the default layout):
+    its whole blocks and the float16 tail cached after them, all but its last token."""
+    return prompt_tokens - 1
 
 
 def body_of(kind: str, text: str | list[int], **fields: Any) -> tuple[str, dict[str, Any]]:
@@ -166,7 +168,7 @@ def test_repeated_prompt_is_served_from_the_cache(apc: httpx.Client, tokenizer: 
         assert n == len(tokenizer.encode(chatml([{"role": "user", "content": text}])).ids)
     assert cached_tokens(cold) == 0
     warm_text, warm = ask(apc, kind, text, stream)
-    assert cached_tokens(warm) == warm_tokens(n) == WARM
+    assert cached_tokens(warm) == warm_tokens(n)
     assert warm["prompt_tokens"] == n and warm["completion_tokens"] == cold["completion_tokens"]
     assert warm_text == cold_text and warm_text
 
@@ -176,7 +178,7 @@ def test_plain_and_streamed_requests_share_the_cache(apc: httpx.Client, tokenize
     plain_text, plain = ask(apc, "chat", text, stream=False)
     assert cached_tokens(plain) == 0
     streamed_text, streamed = ask(apc, "chat", text, stream=True)
-    assert cached_tokens(streamed) == WARM and streamed_text == plain_text
+    assert cached_tokens(streamed) == warm_tokens(plain["prompt_tokens"]) and streamed_text == plain_text
 
 
 def test_chat_and_completions_share_blocks_of_the_same_tokens(apc: httpx.Client, tokenizer: Tokenizer) -> None:
@@ -207,7 +209,7 @@ def test_n_choices_count_cached_tokens_once(apc: httpx.Client, tokenizer: Tokeni
     _, cold = ask(apc, "completion", text, stream, n=2)
     assert cached_tokens(cold) == 0
     _, warm = ask(apc, "completion", text, stream, n=2)
-    assert cached_tokens(warm) == warm_tokens(cold["prompt_tokens"]) == WARM
+    assert cached_tokens(warm) == warm_tokens(cold["prompt_tokens"])
     assert warm["prompt_tokens"] == cold["prompt_tokens"]
 
 
@@ -223,11 +225,11 @@ def test_cache_salt_keeps_blocks_apart(apc: httpx.Client, tokenizer: Tokenizer, 
     _, unsalted = ask(apc, kind, text)
     assert cached_tokens(unsalted) == 0  # no salt is a salt of its own
     _, a_again = ask(apc, kind, text, cache_salt="tenant-a")
-    assert cached_tokens(a_again) == WARM
+    assert cached_tokens(a_again) == warm_tokens(a["prompt_tokens"])
     _, b_again = ask(apc, kind, text, cache_salt="tenant-b")
-    assert cached_tokens(b_again) == WARM
+    assert cached_tokens(b_again) == warm_tokens(b["prompt_tokens"])
     _, empty = ask(apc, kind, text, cache_salt="")
-    assert cached_tokens(empty) == WARM  # "" is no salt: the unsalted request's blocks
+    assert cached_tokens(empty) == warm_tokens(unsalted["prompt_tokens"])  # "" is no salt: the unsalted request's
 
 
 def test_cache_salt_of_the_longest_length_is_accepted(apc: httpx.Client, tokenizer: Tokenizer) -> None:
@@ -235,7 +237,7 @@ def test_cache_salt_of_the_longest_length_is_accepted(apc: httpx.Client, tokeniz
     salt = "s" * 255 + "é"  # 256 characters (257 bytes in UTF-8: the limit is on characters)
     _, first = ask(apc, "completion", text, cache_salt=salt)
     _, second = ask(apc, "completion", text, cache_salt=salt)
-    assert (cached_tokens(first), cached_tokens(second)) == (0, WARM)
+    assert (cached_tokens(first), cached_tokens(second)) == (0, warm_tokens(first["prompt_tokens"]))
     _, other = ask(apc, "completion", text, cache_salt="s" * 256)
     assert cached_tokens(other) == 0
 
@@ -272,14 +274,14 @@ def test_sdk_reads_cached_tokens(apc_server: Server, tokenizer: Tokenizer) -> No
     assert cold.usage is not None and warm.usage is not None
     assert cold.usage.prompt_tokens_details is not None and warm.usage.prompt_tokens_details is not None
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
-    assert warm.usage.prompt_tokens_details.cached_tokens == WARM
+    assert warm.usage.prompt_tokens_details.cached_tokens == warm_tokens(warm.usage.prompt_tokens)
     assert warm.choices[0].message.content == cold.choices[0].message.content
 
     stream = sdk.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=6, temperature=0,
                                          stream=True, stream_options={"include_usage": True})
     last = list(stream)[-1]
     assert last.usage is not None and last.usage.prompt_tokens_details is not None
-    assert last.usage.prompt_tokens_details.cached_tokens == WARM
+    assert last.usage.prompt_tokens_details.cached_tokens == warm_tokens(last.usage.prompt_tokens)
 
     salted = sdk.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=6, temperature=0,
                                          extra_body={"cache_salt": "sdk-tenant"})
@@ -292,7 +294,7 @@ def test_sdk_reads_cached_tokens(apc_server: Server, tokenizer: Tokenizer) -> No
     assert first.usage is not None and second.usage is not None
     assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
     assert (first.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens_details.cached_tokens) \
-        == (0, WARM)
+        == (0, warm_tokens(second.usage.prompt_tokens))
     assert second.choices[0].text == first.choices[0].text
 
 
@@ -315,7 +317,7 @@ def test_cache_stats_count_lookups_and_hits(apc: httpx.Client, tokenizer: Tokeni
     n = cold["prompt_tokens"]
     after = cache_stats(apc)
     assert after["lookups"] - before["lookups"] == 2
-    assert after["hit_tokens"] - before["hit_tokens"] == cached_tokens(warm) == WARM
+    assert after["hit_tokens"] - before["hit_tokens"] == cached_tokens(warm) == warm_tokens(n)
     queried = after["query_tokens"] - before["query_tokens"]
     assert 2 * (n - 1) <= queried <= 2 * n  # each lookup asks about its prompt (the last token at most)
     assert after["hit_rate"] == pytest.approx(after["hit_tokens"] / after["query_tokens"], abs=1e-3)
@@ -326,13 +328,13 @@ def test_cache_reset_empties_the_cache(apc: httpx.Client, tokenizer: Tokenizer) 
     text = long_text("reset", tokenizer)
     _, cold = ask(apc, "chat", text)
     _, warm = ask(apc, "chat", text)
-    assert (cached_tokens(cold), cached_tokens(warm)) == (0, WARM)
+    assert (cached_tokens(cold), cached_tokens(warm)) == (0, warm_tokens(cold["prompt_tokens"]))
     released = reset(apc)
     json.dumps(released)
     _, after_reset = ask(apc, "chat", text)
     assert cached_tokens(after_reset) == 0  # nothing left to reuse
     _, again = ask(apc, "chat", text)
-    assert cached_tokens(again) == WARM  # and the cache works on
+    assert cached_tokens(again) == warm_tokens(cold["prompt_tokens"])  # and the cache works on
 
 
 def test_cache_routes_need_the_api_key(auth_server: Server) -> None:
@@ -380,11 +382,11 @@ def test_metrics_expose_the_prefix_cache(apc: httpx.Client, tokenizer: Tokenizer
     delta = {name: after[name] - before[name] for name in COUNTERS}
     n = cold["prompt_tokens"]
     assert delta["lookups"] == 2
-    assert delta["hit_tokens"] == cached_tokens(warm) == WARM
+    assert delta["hit_tokens"] == cached_tokens(warm) == warm_tokens(n)
     assert 2 * (n - 1) <= delta["query_tokens"] <= 2 * n
     assert delta["inserted_blocks"] >= n // BLOCK  # the cold prompt's whole blocks
     assert delta["evicted_blocks"] == 0 and delta["disk_errors"] == 0
-    assert metric(apc, "kvarn_prompt_cached_tokens_total") - served_before == WARM
+    assert metric(apc, "kvarn_prompt_cached_tokens_total") - served_before == warm_tokens(n)
 
     stats = cache_stats(apc)
     assert after["lookups"] == stats["lookups"] and after["hit_tokens"] == stats["hit_tokens"]
