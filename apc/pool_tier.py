@@ -271,10 +271,11 @@ class PoolTier:
     def insert_tail(self, parent: BlockKey, row: PagedRow, tokens: Sequence[int]) -> bool:
         """Cache the tail a row holds after block ``parent`` (its window's tail part, whose
         tokens are ``tokens``, 1 to G - 1 of them) in a sink block, if none is cached there yet
-        and the budget has room. Memory only: tails are neither written to disk nor published."""
+        and the budget has free room (a tail evicts nothing). Memory only: tails are neither
+        written to disk nor published."""
         key = tail_key(parent)
         if not 0 < len(tokens) < self.pool.layout.tile_size or parent.key not in self \
-                or self.pool.sinks.lookup(key) is not None or not self._room_for(self.pool.sink_bytes()):
+                or self.pool.sinks.lookup(key) is not None or not self._free_room_for(self.pool.sink_bytes()):
             return False
         tail = self.pool.save_sink(row.slot, part="tail")
         self.pool.sinks.set_hash(tail, key, tuple(tokens))
@@ -353,6 +354,14 @@ class PoolTier:
             return False
         self.evict_to(limit - nbytes)
         return True
+
+    def _free_room_for(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more cached bytes fit the cap and the headroom as they are: a tail
+        (a part of a tile) never evicts a whole block."""
+        limits = [self.budget_bytes] if self.budget_bytes is not None else []
+        if self.headroom is not None:
+            limits.append(self.nbytes + self.headroom())
+        return all(self.nbytes + nbytes <= limit for limit in limits)
 
     def evict_to(self, target: int) -> int:
         return self.pool.evict_to(target)
