@@ -34,12 +34,29 @@ from kvarn.paged import PagedLayer, PagedRow
 from kvarn.paged_batch import PagedBatch
 from kvarn.pool import KVarNPool
 from kvarn.rotating import WINDOW_CACHES, AffineRotatingKVCache, make_window_cache
-from kvarn.slots import SlotBatch, SlotRow, make_row_cache, make_stores
+from kvarn.slots import SlotBatch, SlotRow, SlotStore
 
 
 def plain_layers(model: nn.Module) -> list[int]:
     """The layers that take the KV layout: plain full attention (mlx-lm ``KVCache``)."""
     return [l for l, cache in enumerate(make_prompt_cache(model)) if type(cache) is KVCache]
+
+
+def make_stores(model: nn.Module, layout: KVLayout) -> list[SlotStore | None]:
+    """One slot store per plain attention layer (``plain_layers``), None for layers that keep
+    their model's own cache (fp16 / affine layouts)."""
+    if layout.scheme == "kvarn":
+        raise ValueError("slots hold the fp16 and affine baselines, not KVarN")
+    bits = layout.key_bits if layout.scheme == "affine" else None
+    plain = set(plain_layers(model))
+    return [SlotStore(bits, layout.group_size) if l in plain else None for l in range(len(make_prompt_cache(model)))]
+
+
+def make_row_cache(model: nn.Module, stores: Sequence[SlotStore | None], capacity: int) -> list[Any]:
+    """A row's per-layer cache: a ``SlotRow`` of ``capacity`` tokens per store, the model's own
+    cache elsewhere."""
+    return [cache if store is None else store.new_row(capacity)
+            for store, cache in zip(stores, make_prompt_cache(model), strict=True)]
 
 
 class RowStore:

@@ -39,7 +39,7 @@ Invariants:
 - the store owns its rows and updates a row's slot when it moves it: hold rows, never slots.
   ``release()`` is required (the store keeps a row alive until then).
 
-Only plain full-attention layers (mlx-lm ``KVCache``) use slots, as ``kvarn.baselines`` decides.
+Only plain full-attention layers (mlx-lm ``KVCache``) use slots, as ``kvarn.rows`` decides.
 ``SlotBatch`` is no ``kvarn.batch.BatchRows``: the attention seam passes it to mlx-lm's own
 attention, which runs all rows at once, or on GPUs to ``kvarn.slot_attention`` (the fused ragged
 decode kernel, or one call per deep row).
@@ -51,10 +51,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from kvarn.layout import KVLayout
 from kvarn.slot_attention import attends_per_row, fused_decode, fused_decode_attention, per_row_attention
 from kvarn.step import StepContext, step_of
 
@@ -493,20 +491,3 @@ def _flat_rows(lo: int, positions: Sequence[int], H: int, T: int) -> mx.array:
     head: ``((lo + b) * H + h) * T + positions[b]`` in (b, h) order."""
     base = [((lo + b) * H) * T + p for b, p in enumerate(positions)]
     return mx.array([r + h * T for r in base for h in range(H)], dtype=mx.int32)
-
-
-def make_stores(model: nn.Module, layout: KVLayout) -> list[SlotStore | None]:
-    """One store per plain full-attention layer (mlx-lm ``KVCache``, the layers that take the
-    layout in ``kvarn.baselines``), None for layers that keep their model's own cache."""
-    if layout.scheme == "kvarn":
-        raise ValueError("slots hold the fp16 and affine baselines, not KVarN")
-    bits = layout.key_bits if layout.scheme == "affine" else None
-    return [SlotStore(bits, layout.group_size) if type(cache) is KVCache else None
-            for cache in make_prompt_cache(model)]
-
-
-def make_row_cache(model: nn.Module, stores: Sequence[SlotStore | None], capacity: int) -> list[Any]:
-    """A row's per-layer cache: a ``SlotRow`` of ``capacity`` tokens per store, the model's own
-    cache elsewhere."""
-    return [cache if store is None else store.new_row(capacity)
-            for store, cache in zip(stores, make_prompt_cache(model), strict=True)]

@@ -18,7 +18,8 @@ from kvarn.baselines import AffineKVCache, FP16KVCache
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore, make_batch_cache, make_cache
 from kvarn.slot_attention import fused_decode
-from kvarn.slots import SlotBatch, SlotRow, SlotStore, make_row_cache, make_stores
+from kvarn.rows import make_row_cache, make_stores
+from kvarn.slots import SlotBatch, SlotRow, SlotStore
 from tests.kvarn.test_models import build
 
 H, D = 2, 64
