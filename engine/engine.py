@@ -16,16 +16,18 @@ from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
 from engine.memory import release_memory
 from engine.model_runner import Dispatched, ModelRunner
+from engine.accepted_output import advance_tokens
+from engine.speculator import SpecConfig, Speculator, make_proposer
 from engine.budget import PoolBudget, StaticBudget
 from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
-from engine.output import OutputState, add_prompt_scores, advance, new_text_stream
+from engine.output import OutputState, add_prompt_scores, new_text_stream
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_types import StepPlan, StepResult
 from kvarn.attention import install_attention_seam
 from kvarn.layout import KVLayout
 from kvarn.pool import warm_quantizer
-from kvarn.rows import RowStore, batchable, count_quantized_layers, make_batch_cache, make_cache, paged_row
+from kvarn.rows import RowStore, batchable, count_quantized_layers, make_batch_cache, make_cache, paged_row, verify_room
 from metal import KERNELS
 
 logger = logging.getLogger(__name__)
@@ -40,9 +42,9 @@ def make_layout(kv: KVConfig, loaded: LoadedModel) -> KVLayout:
 
 
 def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: KVConfig | None = None,
-                apc: ApcConfig | None = None) -> Engine:
-    """An engine running ``loaded`` with the KV layout ``kv`` (KVarN k4v2 by default) and the
-    prefix cache ``apc`` (on by default, memory only).
+                apc: ApcConfig | None = None, spec: SpecConfig | None = None) -> Engine:
+    """An engine running ``loaded`` with the KV layout ``kv`` (KVarN k4v2 by default), the
+    prefix cache ``apc`` (on by default, memory only) and speculative decoding ``spec`` (None: off).
 
     Fails at once, not at the first request, if the layout cannot run on this model: the
     attention seam is installed (every layout routes through it: KVarN rows, batches of rows,
@@ -71,7 +73,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
         raise ValueError(f"the prefix cache's memory cap ({apc.memory_bytes:,} bytes) exceeds the KV budget "
                          f"({config.kv_budget_bytes:,} bytes) it shares with running requests")
     return Engine(loaded, layout, config, pricing, batch_decode=can_batch_decode(loaded, layout),
-                  apc=apc if apc.enabled else None)
+                  apc=apc if apc.enabled else None, spec=spec)
 
 
 def make_pricing(loaded: LoadedModel, layout: KVLayout, prefill_chunk: int) -> Pricing:
@@ -124,8 +126,9 @@ class Engine:
     output with ``finish_reason`` set, after which the engine holds nothing of it."""
 
     def __init__(self, loaded: LoadedModel, layout: KVLayout, config: SchedulerConfig | None = None,
-                 pricing: Pricing | None = None, batch_decode: bool = True, apc: ApcConfig | None = None) -> None:
-        """``apc``: the prefix cache (None: off)."""
+                 pricing: Pricing | None = None, batch_decode: bool = True, apc: ApcConfig | None = None,
+                 spec: SpecConfig | None = None) -> None:
+        """``apc``: the prefix cache (None: off); ``spec``: speculative decoding (None: off)."""
         self.loaded = loaded
         self.layout = layout
         config = config or SchedulerConfig()
@@ -151,6 +154,8 @@ class Engine:
         self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
         self._async = config.async_scheduling
         self._ahead: Dispatched | None = None  # async scheduling: the step launched, not read back
+        self.speculator = None if spec is None else Speculator(spec, make_proposer(spec, loaded), loaded.context_length,
+                                                               config.max_num_batched_tokens)
 
     def _make_budget(self, store: RowStore, budget_bytes: int | None) -> StaticBudget:
         """KVarN rows in the block pool whose every layer is in it, unwindowed: shared blocks
@@ -167,6 +172,9 @@ class Engine:
         if store.exact and self.layout.max_kv_size is None:
             return PoolBudget(self.pricing, budget_bytes, pool.shared_bytes, self._row_records)
         return StaticBudget(self._price, budget_bytes)
+
+    def _verify_room(self, request_id: RequestId) -> int:
+        return verify_room(self.runner.rows[request_id].cache)
 
     def _row_records(self, request_id: RequestId) -> int | None:
         return self.runner.row_records(request_id)
@@ -317,6 +325,8 @@ class Engine:
             if self.prefix is not None:
                 self.prefix.cache.poll()  # blocks read from disk since the last step join the memory tier
             plan = self.scheduler.plan()
+            if self.speculator is not None:  # decoding rows may verify drafts instead (``engine/speculator.py``)
+                plan = self.speculator.plan_drafts(plan, self.requests, self._verify_room)
             if plan.is_empty and self.prefix is not None and self.prefix.cache.reading:
                 self.prefix.cache.wait(0.05)  # nothing to run but a disk read: wait for it, not spin
                 return []
@@ -338,6 +348,8 @@ class Engine:
         sched = self.scheduler
         if current.failed is not None or sched.waiting or any(sched.forks.values()) or sched.has_freed_rows:
             return None
+        if self.speculator is not None and self.speculator.may_speculate(sched.running):
+            return None  # the next step may verify drafts: it is planned after this one is read
         limit = self.loaded.context_length
         for request in sched.running:
             params = request.params
@@ -357,6 +369,8 @@ class Engine:
             if request is not None:
                 outputs += self._finish(request, FinishReason.ERROR, error=reason)
         self._score_prompts(plan, result)
+        if self.speculator is not None:
+            self.speculator.observe(plan, result)
         advanced = self.scheduler.update(plan, result)
         if self.prefix is not None:  # cache what the step completed, before finished rows are freed
             self.prefix.after_step(plan, self.requests, self.runner.rows)
@@ -366,9 +380,9 @@ class Engine:
                 for member in (request, *(self.requests[f] for f in chunk.forks if f in self.requests)):
                     outputs += self._finish(member, FinishReason.LENGTH)
         for request in advanced:
-            sampled, state = result.sampled[request.request_id], self._outputs[request.request_id]
-            delta = advance(state, request, sampled.token_id, sampled.logprob,
-                            self._eos_token_ids, self.loaded.context_length, sampled.finish)
+            state = self._outputs[request.request_id]
+            tokens = (*result.accepted.get(request.request_id, ()), result.sampled[request.request_id])
+            delta = advance_tokens(state, request, tokens, self._eos_token_ids, self.loaded.context_length)
             if delta.finish_reason is not None:
                 self.scheduler.finish(request, delta.finish_reason)
                 self._forget(request)
@@ -413,6 +427,8 @@ class Engine:
 
     def _forget(self, request: Request) -> None:
         self.runner.free((request.request_id,))
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         if self.prefix is not None:
             self.prefix.forget(request.request_id)
             self.prefix.trim()  # blocks the row let go of are the cache's now: within its cap

@@ -30,6 +30,7 @@ from engine.loader import LoadedModel
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import PromptArrays, SampleArrays, SamplerState, make_sampler_state, sample, score_prompt
 from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
+from engine.verify import Verifying, collect_verify, dispatch_verify
 from kvarn.batch import BatchRows, ChunkRows
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore, make_batch_cache, paged_row
@@ -61,6 +62,7 @@ class Dispatched:
     scores: dict[RequestId, PromptArrays] = field(default_factory=dict)
     arrays: list[mx.array] = field(default_factory=list)
     failed: dict[RequestId, str] | None = None
+    verifying: dict[RequestId, Verifying] = field(default_factory=dict)  # rows verifying drafts (``engine/verify.py``)
 
 
 class DecodeBatch:
@@ -178,8 +180,11 @@ class ModelRunner:
             scores: dict[RequestId, PromptArrays] = {}  # prompt tokens scored (prompt_logprobs)
             for chunks in self._prefill_groups(plan.prefills, requests):
                 self._prefill(chunks, requests, logits, scores)
-            if plan.decodes:
-                self._decode(plan.decodes, requests, logits, after)
+            # rows with drafts verify them in a forward of their own; the others decode as a batch
+            verifying = dispatch_verify(self, plan.drafts, requests, plan.draft_probs) if plan.drafts else {}
+            decodes = tuple(i for i in plan.decodes if i not in verifying)
+            if decodes:
+                self._decode(decodes, requests, logits, after)
             masks = job.result() if job is not None else {}
             pending: dict[RequestId, SampleArrays] = {}
             ended = {}
@@ -194,7 +199,8 @@ class ModelRunner:
             arrays = ([a for arrays in (*pending.values(), *scores.values()) for a in vars(arrays).values()
                        if isinstance(a, mx.array)]
                       + [s.key for s in states] + [s.counts for s in states if s.counts is not None])
-            return Dispatched(plan, pending, ended, scores, arrays)
+            arrays += [a for v in verifying.values() for a in v.arrays()]
+            return Dispatched(plan, pending, ended, scores, arrays, verifying=verifying)
         except Exception as exc:  # a failed step fails its rows, never the engine
             return Dispatched(plan, failed=self._fail(plan, exc, job))
 
@@ -205,7 +211,10 @@ class ModelRunner:
             return StepResult(failed=step.failed)
         try:
             mx.eval(step.arrays)
-            return StepResult(sampled=self._collect(step.pending), ended=step.ended,
+            sampled, verified = self._collect(step.pending), collect_verify(self, step.verifying)
+            sampled.update({i: tokens[-1] for i, tokens in verified.items()})  # each verify's last token
+            return StepResult(sampled=sampled, ended=step.ended,
+                              accepted={i: tuple(tokens[:-1]) for i, tokens in verified.items() if len(tokens) > 1},
                               prompt_scores={i: _scores(arrays) for i, arrays in step.scores.items()})
         except Exception as exc:
             return StepResult(failed=self._fail(step.plan, exc, None))

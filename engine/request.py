@@ -44,6 +44,7 @@ class SamplingParams:
     top_logprobs: int = 0
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    speculative: bool = True  # False: this request never verifies drafts (``engine/speculator.py``)
     constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     @property

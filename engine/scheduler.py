@@ -230,8 +230,8 @@ class Scheduler:
         return PrefillChunk(request.request_id, start, end, is_last=is_last, forks=forks)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Advance computed counts, start forks, append sampled tokens; return requests that
-        got a token."""
+        """Advance computed counts, start forks, append sampled tokens (a verifying row's
+        accepted drafts first); return requests that got a token."""
         by_id = {r.request_id: r for r in self.running}
         for chunk in plan.prefills:
             request = by_id.get(chunk.request_id)
@@ -240,14 +240,15 @@ class Scheduler:
             request.num_computed_tokens = chunk.end_idx
             if chunk.is_last:
                 self._end_prefill(request, chunk, by_id)
-        for request_id in plan.decodes:
+        for request_id in plan.decodes:  # a verifying row also wrote the drafts it kept
             request = by_id.get(request_id)
             if request is not None:
-                request.num_computed_tokens += 1
+                request.num_computed_tokens += 1 + len(result.accepted.get(request_id, ()))
         advanced = []
         for request_id, sampled in result.sampled.items():
             request = by_id.get(request_id)
             if request is not None:
+                request.output_ids += [t.token_id for t in result.accepted.get(request_id, ())]
                 request.output_ids.append(sampled.token_id)
                 advanced.append(request)
         return advanced

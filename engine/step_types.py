@@ -34,15 +34,19 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One engine step: rows to free first, prompt chunks to prefill, rows to decode one token."""
+    """One engine step: rows to free first, prompt chunks to prefill, rows to decode one token.
+    ``drafts``: decoding rows that verify proposed tokens instead (``engine/speculator.py``): the
+    row's last token and its drafts run as one chunk, and it may gain ``1 + len(drafts)`` tokens."""
 
     prefills: tuple[PrefillChunk, ...] = ()
     decodes: tuple[RequestId, ...] = ()
     freed: tuple[RequestId, ...] = ()
+    drafts: dict[RequestId, tuple[int, ...]] = field(default_factory=dict)
+    draft_probs: dict[RequestId, Any] = field(default_factory=dict)  # a draft model's distributions (opaque here)
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
+        return sum(c.num_tokens for c in self.prefills) + len(self.decodes) + sum(map(len, self.drafts.values()))
 
     @property
     def is_empty(self) -> bool:
@@ -79,9 +83,11 @@ class PromptScores:
 class StepResult:
     """Sampled tokens by request, requests whose forward pass failed (with the reason),
     constrained rows that ended without a token (their grammar allowed none), and the scores of
-    prompt tokens of requests that asked for them."""
+    prompt tokens of requests that asked for them. ``accepted``: a verifying row's drafted tokens
+    that were accepted, in order before its ``sampled`` token."""
 
     sampled: dict[RequestId, SampledToken] = field(default_factory=dict)
+    accepted: dict[RequestId, tuple[SampledToken, ...]] = field(default_factory=dict)
     failed: dict[RequestId, str] = field(default_factory=dict)
     ended: dict[RequestId, FinishReason] = field(default_factory=dict)
     prompt_scores: dict[RequestId, PromptScores] = field(default_factory=dict)

@@ -55,6 +55,7 @@ class PagedRow:
         self.slot = pool.allocate("windows", 1)[0]
         pool.window_rows[self.slot] = self
         self.released = False
+        self.draft_from: int | None = None  # a verify in flight: its first drafted position (``hold``)
         self.layers = {l: PagedLayer(self, l) for l in layer_ids}
 
     def block_for(self, tile: int) -> int:
@@ -97,6 +98,33 @@ class PagedRow:
             gone, self.table = self.table[:drop], self.table[drop:]
             self.first += len(gone)
             self.pool.records.decref(gone)
+
+    # --- speculative verify: drafted tokens stay in the float16 window until accepted ---
+    def hold(self) -> None:
+        """The next chunk is a verify (its last token and the drafts after it): its tokens stay in
+        the window (the sink or the tail) and it must end before its tile's last position
+        (``verify_room``), so it commits no record."""
+        self.draft_from = min(view.offset for view in self.layers.values())
+
+    def verify_room(self) -> int:
+        """How many tokens a verify may write from the row's offset: up to its tile's last
+        position but one. The token that fills a tile is decoded alone: decode commits the tile
+        first and that token attends its tile quantized, as every row's does, so a tile is
+        committed only from accepted tokens.
+
+            tile t:  [ ..held.. | room ... | last ]      room = G - 1 - offset % G
+        """
+        G = self.pool.layout.tile_size
+        return G - 1 - min(view.offset for view in self.layers.values()) % G
+
+    def accept(self, rejected: int) -> None:
+        """End a verify: its ``rejected`` newest tokens leave every layer's window (the sink or the
+        tail, never a record)."""
+        if self.draft_from is None:
+            raise RuntimeError("accept without a verify in flight")
+        for view in self.layers.values():
+            view.reject(rejected, self.draft_from)
+        self.draft_from = None
 
     def fork(self) -> PagedRow:
         """A second row with this history: the table's blocks are shared by count, never copied;
@@ -271,11 +299,13 @@ class PagedLayer(_BaseCache):
 
     def write_chunk(self, keys: mx.array, values: mx.array) -> None:
         """Tokens ``[offset, offset + L)``: rotated and rounded to float16, the first G into the
-        sink, the rest after the tail (committing every full tile); where they sit is kept for
-        the chunk's attention (``Chunk``)."""
+        sink, the rest after the tail (committing every full tile; a verify's tokens never fill
+        one: ``PagedRow.hold``); where they sit is kept for the chunk's attention (``Chunk``)."""
         L = keys.shape[2]
         G = self.layout.tile_size
         start = self.offset
+        if self.row.draft_from is not None and start % G + L > G - 1:
+            raise ValueError(f"a verify of {L} tokens from position {start} reaches the end of its tile of {G}")
         _, H, _, D = keys.shape
         self.row.pool.ensure_layer(self.l, H, D)
         dtype = self.row.pool.window_dtype  # float16 values (held as float32 on the CPU)
@@ -323,6 +353,15 @@ class PagedLayer(_BaseCache):
             a.win_v[row.slot: row.slot + 1, :, G: G + rest] = v_all[..., num_full * G:, :]
         self.tail_len = rest
         return k_all, v_all
+
+    def reject(self, n: int, draft_from: int) -> None:
+        """Drop the ``n`` newest tokens, all drafted at or after ``draft_from`` (a verify's; in
+        the sink or the tail, never a committed record)."""
+        if n < 0 or self.offset - n < draft_from:
+            raise ValueError(f"cannot reject {n} tokens of a verify from {draft_from} at offset {self.offset}")
+        if self.offset > self.layout.tile_size:
+            self.tail_len -= n
+        self.offset -= n
 
     # --- attention (the seam's entry for one row: ``kvarn.attention``) ---
     def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,

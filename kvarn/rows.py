@@ -183,6 +183,40 @@ def batchable(cache: Sequence[Any]) -> bool:
                for c in cache)
 
 
+# --- speculative verify: a row writes its drafted tokens, then drops the rejected ones ---
+
+def verify_room(cache: Sequence[Any]) -> int:
+    """How many tokens a verify (a chunk of the row's last token and its drafts) may write now:
+    a paged row stays inside its tile (``PagedRow.verify_room``), a slot row inside its
+    reservation; 0 where a layer cannot drop tokens again (rotating windows, recurrent state)."""
+    row = paged_row(cache)
+    room = row.verify_room() if row is not None else 1 << 30
+    for layer in cache:
+        if isinstance(layer, SlotRow):
+            room = min(room, layer.capacity - layer.offset)
+        elif not isinstance(layer, PagedLayer):
+            return 0
+    return room
+
+
+def begin_verify(cache: Sequence[Any]) -> None:
+    """The row's next chunk is a verify: a paged row commits no tile until ``end_verify``."""
+    row = paged_row(cache)
+    if row is not None:
+        row.hold()
+
+
+def end_verify(cache: Sequence[Any], rejected: int) -> None:
+    """The verify's ``rejected`` newest tokens leave the row; a paged row then commits the tile
+    its accepted tokens filled."""
+    row = paged_row(cache)
+    if row is not None:
+        row.accept(rejected)
+    for layer in cache:
+        if isinstance(layer, SlotRow) and layer.trim(rejected) != rejected:
+            raise RuntimeError("a slot row could not drop its rejected tokens")
+
+
 # --- prefix reuse: blocks (exact tier) and whole-row snapshots (checkpoint tier) ---
 
 def load_blocks(layer: Any, blocks: Sequence[Sequence[mx.array]], G: int) -> Any:
