@@ -145,7 +145,8 @@ class Engine:
         self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
                                   restore=self.prefix.make_row if self.prefix is not None else None,
                                   release=self.prefix.release if self.prefix is not None else None,
-                                  batch_prefill=config.batch_prefill, store=store)
+                                  batch_prefill=config.batch_prefill, store=store,
+                                  compile_decode=config.compile_decode)
         # rows that cannot be cut at blocks (sliding windows, recurrent state) end prompt chunks
         # where the checkpoint tier snapshots them, with or without the cache (same numbers)
         self.cuts_for_snapshots = not exact_tier_possible(make_cache(loaded.model, layout))

@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.compiled_step import DecodeGraphs
 from engine.forward import Forward
 from engine.grammar_rows import DEAD_END, RowGrammars
 from engine.loader import LoadedModel
@@ -104,14 +105,15 @@ class DecodeBatch:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, layout: KVLayout, batch_decode: bool = True,
                  capacity: Any = None, restore: Any = None, release: Any = None,
-                 batch_prefill: bool = True, store: RowStore | None = None) -> None:
+                 batch_prefill: bool = True, store: RowStore | None = None, compile_decode: bool = True) -> None:
         """``store``: where rows live (None: a store of its own for ``layout``; the engine passes
         the one its budget and prefix cache read); ``capacity(request)`` gives a row's reserved
         tokens (its caches allocate them at once); ``restore(hit, fresh)`` fills a fresh row from a prefix-cache hit that a plan's
         chunk carries (``PrefillChunk.restore``) and returns it, ``release(hit)`` lets go of a
         hit no row took (its step failed first); ``batch_decode`` False runs each decoding row
         alone (models whose caches cannot be batched, e.g. recurrent layers); ``batch_prefill``
-        False runs each prompt chunk in its own forward."""
+        False runs each prompt chunk in its own forward; ``compile_decode`` False runs the decode
+        forward uncompiled (``engine.compiled_step``)."""
         self.loaded = loaded
         self.batch_prefill = batch_prefill
         self.forward = Forward(loaded.model)
@@ -125,6 +127,7 @@ class ModelRunner:
         self.store = store if store is not None else RowStore(loaded.model, layout)
         self.rows: dict[RequestId, Row] = {}
         self.batch = DecodeBatch()
+        self.graphs = DecodeGraphs(loaded.model, compile=compile_decode)  # the decode forward, compiled by bucket
         self.grammars = RowGrammars(loaded.vocab_size)  # matchers of constrained rows
 
     def kv_nbytes(self) -> int:
@@ -321,7 +324,9 @@ class ModelRunner:
         else:
             tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
         with forward_context(self.batch.layers):
-            logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
+            logits = self.graphs.logits(tokens, self.batch.layers)  # planned as arrays, compiled by bucket
+            if logits is None:  # a step its storage plans on the host (fused kernels, layers of their own)
+                logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
         mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
             out[request_id] = logits[b]

@@ -65,7 +65,9 @@ class SchedulerConfig:
     engine builds and launches the next step from this step's sampled tokens (still on the
     device) before it reads them back, so the host's work overlaps the device's (``Engine.step``);
     ``batch_prefill``: a step's prompt chunks of similar lengths run in one forward
-    (``ModelRunner``; False runs each in its own)."""
+    (``ModelRunner``; False runs each in its own); ``compile_decode``: the decode forward runs
+    under ``mx.compile``, one graph per shape bucket (``engine/compiled_step.py``; False:
+    ``--enforce-eager``, the same step built in Python every time)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
@@ -73,6 +75,7 @@ class SchedulerConfig:
     kv_budget_bytes: int | None = None
     async_scheduling: bool = False  # the engine launches step N+1 before reading step N back
     batch_prefill: bool = True  # prompt chunks of several rows in one forward
+    compile_decode: bool = True  # the decode forward compiled by shape bucket
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.prefill_chunk_size < 1:

@@ -10,14 +10,16 @@ dequantized (the reference path), under the step's per-row validity mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from kvarn.paged_step import StepIndex
-from kvarn.pool import dequantize_blocks
+from kvarn.pool import RECORD_FIELDS, dequantize_blocks
 from kvarn.quantize import rotate
 from metal import KERNELS
+from metal.selector import FUSED
 from metal.paged_plan import make_plan
 
 if TYPE_CHECKING:  # annotations only: ``kvarn.paged`` imports this module
@@ -51,13 +53,50 @@ def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: Ste
             plan = index.plans[H] = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
         return kernel(queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v, table=index.table,
                       lengths=L, scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, plan=plan)
+    return decode_attention_over(queries, a, layout, scale, windows=index.windows, win_len=index.win_len,
+                                 table=index.table, mask=index.mask)
+
+
+@dataclass(frozen=True)
+class Attended:
+    """What a decode step's attention reads besides the pool's arrays: the batch's ``windows``
+    (a ``(lo, hi)`` range read as a slice, or their ids), the first ``win_len`` tokens of each,
+    the block ``table`` [B, nb] (None: no records yet) and the validity ``mask``
+    [B, 1, 1, win_len + nb*G]."""
+
+    windows: mx.array | tuple[int, int]
+    win_len: int
+    table: mx.array | None
+    mask: mx.array
+
+
+def decode_attention_over(queries: mx.array, a: Any, layout: Any, scale: float, *, windows: mx.array | tuple[int, int],
+                          win_len: int, table: mx.array | None, mask: mx.array) -> mx.array:
+    """Decode attention of every row of one layer over the arrays ``a`` (a ``LayerArrays``: the
+    pool's, or a compiled step's values of them) without a fused kernel: straight from the
+    codes where MLX reads them (``_quantized_matmul_attention``), else the records gathered and
+    dequantized (``_dequantized_attention``). Every per-step value is an array or a shape, so a
+    compiled step runs it as is (``kvarn.decode_graph``)."""
+    index = Attended(windows, win_len, table, mask)
     if reads_codes_directly():
         return _quantized_matmul_attention(queries, a, index, layout, scale)
+    return _dequantized_attention(queries, a, index, layout, scale)
+
+
+def fused_attention() -> bool:
+    """Whether decode attention runs a fused kernel on this device (``metal.KERNELS``' verdict):
+    its launch is planned from host integers, so such a step is not planned as arrays."""
+    return KERNELS.attention_path() in FUSED
+
+
+def _dequantized_attention(queries: mx.array, a: Any, index: Any, layout: Any, scale: float) -> mx.array:
+    """One SDPA over [window (sink, tail) | records gathered and dequantized], under the mask."""
     dtype = attention_dtype(queries)
     keys, vals = _windows(a, index)
     keys, vals = keys.astype(dtype), vals.astype(dtype)
     if index.table is not None:
-        rec_k, rec_v = dequantize_blocks(view0.row.pool.gather_records(view0.l, index.table), view0.layout, dtype)
+        gathered = {name: a.records[name][index.table] for name in RECORD_FIELDS}
+        rec_k, rec_v = dequantize_blocks(gathered, layout, dtype)
         keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
     q = rotate(queries.astype(mx.float32)).astype(dtype)
     out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=index.mask)

@@ -71,8 +71,9 @@ class StepIndex:
         return self.plans[key]
 
 
-def _step_index(layers: Sequence[PagedLayer]) -> StepIndex:
-    """Plan one decode step for rows at these views' offsets (taking new blocks for commits)."""
+def plan_step(layers: Sequence[PagedLayer]) -> StepIndex:
+    """Plan one decode step for rows at these views' offsets (taking new blocks for commits,
+    dropping what windowed rows no longer attend): host work, done once a step."""
     G = layers[0].layout.tile_size
     write_pos, commits, sink_len, tail_len, num_tiles = [], [], [], [], []
     for b, view in enumerate(layers):
@@ -131,7 +132,7 @@ def step_index(layers: Sequence[PagedLayer]) -> StepIndex:
     decoding one token (a one-token prompt chunk): the first row's serial tells them apart."""
     def make() -> StepIndex:
         place_windows([v.row for v in layers])
-        return _step_index(layers)
+        return plan_step(layers)
 
     return step_of(layers[0]).get(("paged_index", layers[0].row.serial), make)
 
@@ -198,6 +199,13 @@ def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array
     if index.commit_rows:
         tiles = quantize_window_tails(a.win_k, a.win_v, index.commit_slots, view0.layout)  # read in place
         pool.write_records(l, index.commit_ids, tiles)
+    advance(layers, index)
+    return index
+
+
+def advance(layers: Sequence[PagedLayer], index: StepIndex) -> None:
+    """The views after the step's write: one more token each, a tail that filled committed."""
+    G = layers[0].layout.tile_size
     committing = set(index.commit_rows)
     for b, view in enumerate(layers):
         view.chunk = None  # the row's last prompt chunk (raw keys and values) is no longer needed
@@ -208,4 +216,3 @@ def decode_update(layers: Sequence[PagedLayer], keys: mx.array, values: mx.array
             else:
                 view.tail_len += 1
         view.offset += 1
-    return index

@@ -29,6 +29,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_other
 from kvarn.batch import BatchRows
+from kvarn.decode_graph import DecodePlan, paged_plan, slot_plan
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow
 from kvarn.paged_batch import PagedBatch
@@ -174,6 +175,17 @@ def make_batch_cache(layer_rows: Sequence[Any]) -> Any:
     if layer_rows and isinstance(layer_rows[0], SlotRow):
         return SlotBatch(layer_rows)
     return BatchRows(layer_rows, row_type=type(layer_rows[0]) if layer_rows else object)
+
+
+def plan_decode(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
+    """A decode step of these batch caches (one per layer) planned as arrays, so that it can be
+    compiled (``kvarn.decode_graph``): rows in the KVarN pool or in the baselines' slots, every
+    layer's; None for anything else (layers of other caches, a fused kernel's step)."""
+    if batches and all(isinstance(b, PagedBatch) for b in batches):
+        return paged_plan(batches, pad)
+    if batches and all(isinstance(b, SlotBatch) for b in batches):
+        return slot_plan(batches, pad)
+    return None
 
 
 def batchable(cache: Sequence[Any]) -> bool:

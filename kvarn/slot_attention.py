@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from kvarn.step import step_of
 from metal import KERNELS
+from metal.selector import FUSED
 from metal.cuda.ragged_decode import make_plan as make_ragged_plan
 from metal.cuda.ragged_decode import ragged_decode_attention
 
@@ -33,6 +34,16 @@ def fused_decode(cache: SlotBatch, queries: mx.array, sinks: mx.array | None) ->
     return queries.shape[1] % buf.shape[1] == 0 and KERNELS.ragged_decode(
         head_dim=buf.shape[3], n_rep=queries.shape[1] // buf.shape[1], dtype=queries.dtype,
         kv_dtype=buf.dtype) is not None
+
+
+def fused_decode_available(cache: SlotBatch) -> bool:
+    """Whether the fused ragged kernel may attend this batch's rows (a CUDA backend with the kernel
+    whose verdict is fused; fp16 slots): such a step is not planned as arrays (the kernel plans
+    its launch from host integers)."""
+    b = KERNELS.backend
+    if cache.store.quantized or b is None or getattr(b, "ragged_decode", None) is None:
+        return False
+    return KERNELS.ragged_decode_path() in FUSED
 
 
 def fused_decode_attention(queries: mx.array, cache: SlotBatch, scale: float) -> mx.array:

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="in steady decode, launch the next step from this step's sampled tokens before "
                             "reading them back, so the host's work overlaps the device's (a row that stops on "
                             "EOS or a stop string runs one token more on the device, dropped; docs/engine.md)")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="build the decode forward in Python at every step instead of replaying graphs "
+                            "compiled once per shape bucket with mx.compile (same tokens; docs/engine.md)")
     serve.add_argument("--no-batch-prefill", action="store_true",
                        help="run each prompt chunk in its own forward (by default a step's chunks of similar "
                             "lengths run together, right-padded; docs/engine.md)")
@@ -286,7 +289,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     try:
         scheduler = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.prefill_chunk_size,
                                     args.kv_budget_bytes, async_scheduling=args.async_scheduling,
-                                    batch_prefill=not args.no_batch_prefill)
+                                    batch_prefill=not args.no_batch_prefill, compile_decode=not args.enforce_eager)
     except ValueError as exc:
         raise SystemExit(f"kvarn serve: {exc}") from exc
     if args.max_queue < 0:

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import engine.compiled_step as compiled_step
 import kvarn.chunk_attention as chunk_attention
+import kvarn.decode_graph as decode_graph
+import kvarn.rows as kvarn_rows
 import kvarn.paged_step as paged_step
 import kvarn.slots as slots
 from engine.engine import make_engine
@@ -37,19 +40,28 @@ class Counter:
         monkeypatch.setattr(module, name, counted)
 
 
+@pytest.mark.parametrize("planned", [True, False], ids=["planned", "host"])
 @pytest.mark.parametrize("arm", ["kvarn-k4v2", "fp16"])
-def test_a_decode_forward_makes_its_shared_arrays_once(loaded, monkeypatch, arm):
+def test_a_decode_forward_makes_its_shared_arrays_once(loaded, monkeypatch, arm, planned):
     """Every layer of a decode forward reads one step index (KVarN) or one set of slot write rows
-    and offsets (fp16), made by the first layer: one per forward, whatever the number of layers."""
+    and offsets (fp16): one per forward, whatever the number of layers, whether the step is
+    planned as arrays before the forward (``kvarn/decode_graph.py``) or its first layer makes
+    them inside it (the host path, where a fused kernel attends)."""
     kv = KVConfig("kvarn", 4, 2) if arm == "kvarn-k4v2" else KVConfig("fp16")
+    if not planned:
+        monkeypatch.setattr(compiled_step, "plan_decode", lambda caches: None)
     engine = make_engine(loaded, CONFIG, kv, ApcConfig(enabled=False))
     prompts = [[(7 * i + j) % 4000 + 16 for j in range(n)] for i, n in enumerate((40, 90, 150))]
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(RequestId(f"r{i}"), prompt, SamplingParams(max_tokens=8, temperature=0.0,
                                                                              ignore_eos=True)))
     engine.step()  # the prompts, in one step
-    made = Counter(monkeypatch, paged_step, "_step_index") if arm == "kvarn-k4v2" \
-        else Counter(monkeypatch, slots, "_flat_rows")
+    if planned:
+        made = Counter(monkeypatch, decode_graph, "plan_step") if arm == "kvarn-k4v2" \
+            else Counter(monkeypatch, kvarn_rows, "slot_plan")
+    else:
+        made = Counter(monkeypatch, paged_step, "plan_step") if arm == "kvarn-k4v2" \
+            else Counter(monkeypatch, slots, "_flat_rows")
     forwards = 3
     for _ in range(forwards):
         engine.step()  # one decode forward of the three rows each

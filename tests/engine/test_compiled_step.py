@@ -1,0 +1,162 @@
+"""The compiled decode step (``engine/compiled_step.py``, ``kvarn/decode_graph.py``): a decode
+step planned as arrays and replayed from a graph traced once per shape bucket must give exactly
+what the step built in Python gives, for fp16 slots and KVarN rows, through ragged rows, rows
+committing tiles, windows, prefix-cache hits, ``n > 1`` forks, seeded sampling and grammar rows;
+padding rows never change a real row's logits; a bucket's graph is reused (counted)."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import engine.compiled_step as compiled_step
+from engine.constraints import ConstraintCompiler, GrammarSpec
+from engine.engine import make_engine
+from engine.kv_config import ApcConfig, KVConfig
+from engine.request import Request, RequestId, SamplingParams
+from engine.scheduler import SchedulerConfig
+from kvarn.decode_graph import table_bucket
+from kvarn.rows import plan_decode
+
+ARMS = {"fp16": KVConfig("fp16"), "kvarn-k4v2": KVConfig("kvarn", 4, 2),
+        "kvarn-window": KVConfig("kvarn", 4, 2, max_kv_size=256)}
+# (prompt length, max_tokens, arrival step): ragged rows, tiles filling during decode (130 + 120,
+# 250 + 60), rows arriving while others decode, and one prompt repeated later (a prefix-cache hit)
+WORKLOAD = [(12, 70, 0), (130, 120, 0), (250, 60, 1), (5, 90, 6), (300, 40, 20), ("repeat", 50, 45)]
+DIGITS = GrammarSpec.grammar('start: /[0-9]{1,6}/')
+
+
+def _engine(loaded, arm: str, mode: str, monkeypatch, apc: bool = True):
+    """``mode``: "compiled" (graphs by bucket), "eager" (the same planned step uncompiled) or "host"
+    (no plan: the forward through the batch caches, as where a fused kernel attends)."""
+    if mode == "host":
+        monkeypatch.setattr(compiled_step, "plan_decode", lambda caches: None)
+    else:
+        monkeypatch.setattr(compiled_step, "plan_decode", plan_decode)
+    cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8 + 256, prefill_chunk_size=256,
+                          compile_decode=mode == "compiled")
+    return make_engine(loaded, cfg, ARMS[arm], ApcConfig(enabled=apc))
+
+
+def _run(engine, loaded, grammar=None) -> dict[str, tuple[int, ...]]:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(16, loaded.vocab_size) for _ in range(n if n != "repeat" else 1)]
+               for n, _, _ in WORKLOAD]
+    prompts[-1] = list(prompts[1])  # the repeated prompt
+    outputs: dict[str, list[int]] = {}
+    pending = sorted(enumerate(WORKLOAD), key=lambda x: x[1][2])
+    step = 0
+    while pending or engine.has_work():
+        while pending and pending[0][1][2] <= step:
+            i, (_, max_tokens, _) = pending.pop(0)
+            seeded = i % 2 == 1
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8 if seeded else 0.0,
+                                    seed=40 + i if seeded else None,
+                                    constraint=grammar if (grammar is not None and i == 3) else None)
+            request = Request(RequestId(f"r{i}"), prompts[i], params)
+            forks = (Request(RequestId(f"r{i}-1"), list(prompts[i]), params, index=1),) if i == 0 else ()
+            engine.add_request(request, forks)
+            outputs[f"r{i}"] = []
+            for fork in forks:
+                outputs[fork.request_id] = []
+        for out in engine.step() if engine.has_work() else []:
+            outputs[out.request_id] += list(out.token_ids)
+        step += 1
+        assert step < 2000, "the engine did not finish"
+    return {k: tuple(v) for k, v in outputs.items()}
+
+
+@pytest.mark.parametrize("arm", sorted(ARMS))
+def test_compiled_eager_and_host_steps_give_the_same_tokens(loaded, arm, monkeypatch):
+    compiler = ConstraintCompiler(loaded.tokenizer, loaded.vocab_size)
+    grammar = compiler.compile(DIGITS)
+    results, engines = {}, {}
+    for mode in ("host", "eager", "compiled"):
+        engines[mode] = engine = _engine(loaded, arm, mode, monkeypatch)
+        results[mode] = _run(engine, loaded, grammar)
+        assert engine.runner.rows == {} and engine.runner.batch.ids == []
+    assert results["compiled"] == results["host"]
+    assert results["eager"] == results["host"]
+    assert all(results["host"].values())
+    hit = engines["compiled"].scheduler  # the repeated prompt was served from the prefix cache
+    graphs = engines["compiled"].runner.graphs
+    assert graphs.steps > 100 and graphs.eager == 0
+    assert graphs.traces < graphs.steps / 4  # graphs are replayed, not rebuilt every step
+    assert engines["eager"].runner.graphs.eager == engines["eager"].runner.graphs.steps > 100
+    assert engines["host"].runner.graphs.steps == 0
+    del hit
+
+
+def test_a_repeated_prompt_is_a_prefix_hit_on_the_compiled_path(loaded, monkeypatch):
+    engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch)
+    prompt = list(range(100, 400))
+    tokens = []
+    for k in range(2):
+        request = Request(RequestId(f"p{k}"), prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        engine.add_request(request)
+        while engine.has_work():
+            engine.step()
+        tokens.append(request.output_ids)
+    assert request.num_cached_tokens == len(prompt) - 1
+    assert tokens[0] == tokens[1] and engine.runner.graphs.steps >= 38
+
+
+def _decode_batch(loaded, arm: str, monkeypatch, lengths: list[int]):
+    """An engine whose rows of ``lengths`` prompt tokens have all reached decode (one step in)."""
+    engine = _engine(loaded, arm, "compiled", monkeypatch, apc=False)
+    for i, n in enumerate(lengths):
+        engine.add_request(Request(RequestId(f"b{i}"), list(range(20, 20 + n)),
+                                   SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)))
+    while len(engine.runner.batch.ids) < len(lengths):
+        engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("arm", ["fp16", "kvarn-k4v2"])
+def test_padding_rows_never_change_a_real_rows_logits(loaded, arm, monkeypatch):
+    """Three rows padded to a bucket of four against the same step unpadded, from the same state."""
+    engine = _decode_batch(loaded, arm, monkeypatch, [40, 140, 260])
+    runner = engine.runner
+    tokens = mx.array([[7], [8], [9]], dtype=mx.int32)
+    snapshot = [row.cache for row in runner.rows.values()]
+    assert len(snapshot) == 3
+    results = []
+    for pad in (True, False):
+        forks = [runner.store.fork(c) for c in snapshot]  # the same history, fresh rows each time
+        from engine.model_runner import DecodeBatch, Row
+        rows = {f"f{k}": Row(f, None, None) for k, f in enumerate(forks)}
+        batch = DecodeBatch()
+        batch.sync(tuple(rows), rows)
+        plan = plan_decode(batch.layers, pad=pad)
+        assert plan is not None and plan.rows == 3 and plan.padded == (4 if pad else 3)
+        toks = mx.concatenate([tokens, mx.zeros((plan.padded - 3, 1), mx.int32)])
+        out = runner.graphs._step(plan.build, plan.static)(toks, plan.inputs, plan.state)
+        plan.finish(list(out[1:]))
+        results.append(np.array(out[0][:3].astype(mx.float32)))
+        for f in forks:
+            runner.store.release(f)
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-4)
+    assert (results[0].argmax(-1) == results[1].argmax(-1)).all()
+
+
+def test_table_buckets_grow_by_about_a_quarter():
+    widths = [table_bucket(n) for n in range(0, 200)]
+    assert widths[:7] == [0, 1, 2, 3, 4, 5, 6]
+    assert all(w >= n for n, w in enumerate(widths))
+    assert all(w <= 1.25 * n + 1 for n, w in enumerate(widths) if n > 6)
+    assert len(set(widths)) < 30  # few distinct graphs for a whole context
+
+
+def test_graphs_are_bounded(loaded, monkeypatch):
+    engine = _engine(loaded, "fp16", "compiled", monkeypatch, apc=False)
+    graphs = engine.runner.graphs
+    graphs.capacity = 2
+    for i, n in enumerate([5, 300, 700]):  # three token buckets of the slots
+        engine.add_request(Request(RequestId(f"g{i}"), list(range(30, 30 + n)),
+                                   SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+    assert len(graphs) <= 2 and graphs.traces >= 3
