@@ -240,6 +240,17 @@ class Engine:
                 "apc_disk_bytes": disk.bytes if disk else 0,
                 "apc_disk_errors": (disk.bad_files + disk.write_errors) if disk else 0}
 
+    def describe_speculative(self) -> dict[str, object] | None:
+        """Speculative decoding in force (None: off): method, draft length, limits."""
+        return None if self.speculator is None else self.speculator.config.describe()
+
+    def speculative_counters(self) -> dict[str, int]:
+        """Drafted tokens verified and accepted, and verifies run, for the server's metrics."""
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {"spec_draft_tokens": c.proposed, "spec_accepted_tokens": c.accepted, "spec_verifies": c.verifies}
+
     @property
     def kv_budget_bytes(self) -> int | None:
         return self.scheduler.config.kv_budget_bytes

@@ -47,6 +47,8 @@ class EngineConfig:
     warm_up: bool | None = None
     # publish the prefix cache's changes to routers (an apc.events.KVEventsConfig; None: off)
     kv_events: Any = None
+    # speculative decoding (an engine.speculator.SpecConfig; None: off)
+    speculative: Any = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class ModelInfo:
     vocab_size: int
     chat_format: ChatFormat = field(default_factory=ChatFormat)  # think and tool-call markers (mlx-lm's)
     max_token_chars: int = 0  # the most characters one token decodes to (0: unknown), for cheap length bounds
+    speculative: dict[str, Any] | None = None  # speculative decoding in force (None: off)
 
 
 class EngineNotReady(RuntimeError):
@@ -310,7 +313,7 @@ class EngineClient:
                                                                 gen_tokens=kv.advise_tokens))
                 kv = replace(kv, max_kv_size=window)  # the advice picks the layout; the window stays the flag's
                 logger.info("KV layout by kvarn advise: %s (%s)", chosen["arm"], chosen["source"])
-            engine = make_engine(loaded, self.config.scheduler, kv, self.config.apc)
+            engine = make_engine(loaded, self.config.scheduler, kv, self.config.apc, self.config.speculative)
             publisher = self._start_events(engine)
             from engine.warm_up import on_gpu, warm_up
 
@@ -326,7 +329,7 @@ class EngineClient:
             kv_cache = engine.describe_kv() | ({"layout_choice": chosen} if chosen else {})
             self.info = ModelInfo(loaded.model_id, loaded.context_length, loaded.fingerprint,
                                   loaded.compute_dtype, kv_cache, loaded.vocab_size, chat_format_of(loaded.tokenizer),
-                                  max_token_chars(loaded.tokenizer))
+                                  max_token_chars(loaded.tokenizer), engine.describe_speculative())
             self._update_stats(engine)  # gauges (budgets, prefix cache) are right before any request
         except BaseException as exc:  # reported through /health; the server stays up to say so
             logger.exception("model load failed")
@@ -401,7 +404,7 @@ class EngineClient:
                  "kv_bytes": engine.runner.kv_nbytes(), "reserved_bytes": engine.scheduler.reserved_bytes,
                  "kv_allocated_bytes": engine.runner.kv_allocated_bytes(),
                  "prefill_forwards": engine.runner.prefill_forwards, "prefill_chunks": engine.runner.prefill_chunks,
-                 **mlx_memory(), **engine.prefix_cache_counters()}
+                 **mlx_memory(), **engine.prefix_cache_counters(), **engine.speculative_counters()}
         with self._lock:
             self._stats = stats
 

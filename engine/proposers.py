@@ -7,10 +7,9 @@ or none, where it has no guess). ``forget`` lets go of a row that ended. Propose
 - ``NgramProposer`` (prompt lookup, ``--speculative ngram``): the longest suffix of the row's
   tokens (prompt and output) of ``ngram_max`` down to ``ngram_min`` tokens that occurred
   earlier, and the tokens that followed its latest earlier occurrence. Pure Python/NumPy.
-- ``engine/draft_model.py: DraftModelProposer`` (``--speculative draft``): a smaller model with
-  the same tokenizer, batched like the target, with its distributions for rejection sampling.
-
-A model that ships multi-token-prediction heads would be one more proposer of this shape.
+A draft model (a smaller model with the same tokenizer) or a model's multi-token-prediction
+heads would be proposers of this shape; one that samples its drafts hands its distributions
+(``Draft.probs``) to the verify's rejection sampling (``engine/acceptance.py``).
 """
 
 from __future__ import annotations

@@ -32,30 +32,28 @@ EMA = 0.5  # weight of a row's newest verify in its acceptance average
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, in plain values (``--speculative``, ``--num-speculative-tokens``,
-    ``--draft-model``, ``--ngram-min``/``--ngram-max``, ``--speculative-max-batch``)."""
+    ``--speculative-ngram-min``/``-max``, ``--speculative-max-batch``)."""
 
-    method: str = "ngram"  # "ngram" (prompt lookup) or "draft" (a draft model)
+    method: str = "ngram"  # prompt lookup
     num_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    draft_model: str | None = None
     max_batch: int = 8
     min_acceptance: float = 0.3
     min_verifies: int = 4
     backoff: int = 16
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft"):
-            raise ValueError(f"unknown speculative method {self.method!r} (ngram or draft)")
+        if self.method != "ngram":
+            raise ValueError(f"unknown speculative method {self.method!r} (ngram)")
         if self.num_tokens < 1 or self.max_batch < 1:
             raise ValueError("num_speculative_tokens and speculative_max_batch must be >= 1")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("--speculative draft needs --draft-model PATH")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("the n-gram sizes need 1 <= ngram_min <= ngram_max")
 
     def describe(self) -> dict[str, object]:
         return {"method": self.method, "num_speculative_tokens": self.num_tokens, "max_batch": self.max_batch,
-                **({"ngram_min": self.ngram_min, "ngram_max": self.ngram_max} if self.method == "ngram"
-                   else {"draft_model": self.draft_model})}
+                "ngram_min": self.ngram_min, "ngram_max": self.ngram_max}
 
 
 @dataclass
@@ -159,13 +157,9 @@ class Speculator:
 
 
 def make_proposer(config: SpecConfig, target: object = None) -> Proposer:
-    """The proposer ``config`` names (``target``: the loaded target model, for a draft model's
-    tokenizer check)."""
-    if config.method == "ngram":
-        return NgramProposer(config.ngram_min, config.ngram_max)
-    from engine.draft_model import DraftModelProposer  # loads a model: only when asked for
-
-    return DraftModelProposer.load(config.draft_model, target)
+    """The proposer ``config`` names (``target``: the loaded target model, which a proposer with
+    a model of its own would check its tokenizer against)."""
+    return NgramProposer(config.ngram_min, config.ngram_max)
 
 
 __all__ = ["Ask", "Draft", "SpecConfig", "Speculator", "make_proposer"]

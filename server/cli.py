@@ -92,6 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     apc.add_argument("--apc-disk-bytes", type=size_arg, default=None, metavar="BYTES",
                      help="byte cap of the disk tier in --apc-disk-dir, least recently used blocks removed "
                           "beyond it (default: 4GiB)")
+    spec = serve.add_argument_group(
+        "speculative decoding",
+        "A decoding row proposes tokens by prompt lookup (an n-gram of its prompt and output seen before) and "
+        "verifies them in one forward: greedy output is the same, sampled output keeps the model's distribution. "
+        "Pays off for one or a few streams that repeat their input (code edits, quoting a document); rows whose "
+        "drafts keep being rejected stop proposing, and wide batches do not speculate. A request opts out with "
+        "\"speculative\": false.")
+    spec.add_argument("--speculative", choices=("ngram",), default=None,
+                      help="speculate by prompt lookup (default: off)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                      help="most drafted tokens a row verifies in one step (default: %(default)s)")
+    spec.add_argument("--speculative-ngram-min", type=int, default=2, metavar="N",
+                      help="shortest suffix prompt lookup matches (default: %(default)s)")
+    spec.add_argument("--speculative-ngram-max", type=int, default=4, metavar="N",
+                      help="longest suffix prompt lookup matches (default: %(default)s)")
+    spec.add_argument("--speculative-max-batch", type=int, default=8, metavar="ROWS",
+                      help="no speculation in a step with more decoding rows than this (default: %(default)s)")
     add_scale_out_args(serve)
     serve.add_argument("--no-reasoning-content", action="store_true",
                        help="leave a thinking model's <think>...</think> text in the chat 'content' instead of "
@@ -282,6 +299,18 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
     return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir, disk_bytes=args.apc_disk_bytes)
 
 
+def _spec_config(args: argparse.Namespace):  # -> engine.speculator.SpecConfig | None
+    if args.speculative is None:
+        return None
+    from engine.speculator import SpecConfig
+
+    try:
+        return SpecConfig(args.speculative, args.num_speculative_tokens, args.speculative_ngram_min,
+                          args.speculative_ngram_max, args.speculative_max_batch)
+    except ValueError as exc:
+        raise SystemExit(f"kvarn serve: {exc}") from None
+
+
 def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     from engine import EngineConfig, SchedulerConfig
     from server.config import ServerConfig
@@ -299,7 +328,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
                             scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue,
                             parse_special=args.parse_special_tokens,
                             warm_up={"auto": None, "on": True, "off": False}[args.warm_up],
-                            kv_events=kv_events_config(args)),
+                            kv_events=kv_events_config(args), speculative=_spec_config(args)),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         keep_billing_header=args.keep_billing_header, default_max_tokens=args.default_max_tokens,

@@ -35,6 +35,9 @@ ENGINE_COUNTERS = (
     ("kvarn_prefill_forwards", "prefill_forwards", "Forwards that ran prompt chunks (one forward runs the chunks "
                                                    "of one or more rows together)"),
     ("kvarn_prefill_chunks", "prefill_chunks", "Prompt chunks run"),
+    ("kvarn_spec_decode_draft_tokens", "spec_draft_tokens", "Drafted tokens verified by speculative decoding"),
+    ("kvarn_spec_decode_accepted_tokens", "spec_accepted_tokens", "Drafted tokens the target model accepted"),
+    ("kvarn_spec_decode_verifies", "spec_verifies", "Verifies run (a row's drafts checked in one step)"),
 )
 PREFIX_CACHE_GAUGES = (
     ("kvarn_prefix_cache_memory_bytes", "apc_memory_bytes", "Bytes held by the prefix cache's memory tier"),

@@ -235,4 +235,5 @@ def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, defaul
         top_logprobs=top_logprobs,
         ignore_eos=body.ignore_eos,
         prompt_logprobs=prompt_logprobs,
+        speculative=body.speculative,
     )

@@ -318,6 +318,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
     ignore_eos: bool = False
+    speculative: bool = True  # False: this request decodes without speculation (when the server speculates)
     no_stop_trim: bool = False  # SGLang's (vllm-router sends it): a matched stop string stays at the text's end
     # vLLM's and SGLang's output switches, as vllm-router adds them to every request it forwards:
     # accepted at the behaviour this server has (the values below); another value is a 400

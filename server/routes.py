@@ -40,7 +40,8 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
     info = client.info
     return JSONResponse({"status": "ok", "model": info.model_id, "kv_cache": info.kv_cache,
-                         "attention": attention_in_force(), **client.stats()})
+                         "attention": attention_in_force(), "speculative": _speculative(info, client.stats()),
+                         **client.stats()})
 
 
 @router.get("/v1/models")
@@ -62,7 +63,18 @@ async def model(model_id: str, request: Request) -> dict[str, Any]:
 def _model_card(info: ModelInfo) -> dict[str, Any]:
     return {"id": info.model_id, "object": "model", "created": _STARTED, "owned_by": "kvarn",
             "context_length": info.context_length, "compute_dtype": info.compute_dtype,
-            "fingerprint": info.fingerprint, "kv_cache": info.kv_cache, "attention": attention_in_force()}
+            "fingerprint": info.fingerprint, "kv_cache": info.kv_cache, "attention": attention_in_force(),
+            "speculative": info.speculative}
+
+
+def _speculative(info: ModelInfo, stats: dict[str, Any]) -> dict[str, Any] | None:
+    """Speculative decoding in force, with its acceptance so far (None: off)."""
+    if info.speculative is None:
+        return None
+    drafted, accepted = stats.get("spec_draft_tokens", 0), stats.get("spec_accepted_tokens", 0)
+    return {**info.speculative, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "verifies": stats.get("spec_verifies", 0),
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
 
 
 @router.get("/metrics")
