@@ -1,0 +1,195 @@
+"""Speculative decoding over HTTP, side by side in one run: no speculation, prompt lookup
+(``--speculative ngram``) and the verify path's ceiling (an oracle proposer replaying the greedy
+continuation recorded first: bench/spec_oracle_server.py), on the bundled model.
+
+    python bench/speculative.py [--json-out bench/results/speculative-cpu.json]
+
+First the greedy continuations of every prompt are recorded in this process (the engine, no
+speculation, the server's default layout); then three servers run (``--no-apc``, so no arm
+reuses another round's prompt) and each scenario's rounds send the same requests to each arm in
+turn (the arm order rotates by round). Per arm: generated tokens / wall time, median over the
+rounds, its ratio to no speculation, and the acceptance over the scenario (drafted and accepted
+tokens from ``/health``). Scenarios:
+
+- long greedy, c = 1 and c = 4: chat prompts, 384 tokens each with ``ignore_eos`` (this small
+  model falls into repeats, which prompt lookup predicts);
+- short open chat, c = 1: 64 tokens, stops at EOS;
+- wide batches, c = 16 and c = 64: speculation must not cost throughput there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LONG = ["Write a long story about a cat who loves to sleep.", "Explain how a computer works, step by step.",
+        "List the planets of the solar system and describe each one.", "Write a poem about the sea and the sky.",
+        "Describe your perfect day from morning to night.", "How do I bake bread at home?",
+        "Tell me about the history of the city of Rome.", "Write a letter to a friend about a trip to the mountains."]
+SHORT = ["What is the capital of France?", "Give me a synonym for happy.", "How are you today?",
+         "Name a fruit that is red.", "What is two plus two?", "Say hello in Spanish.", "What color is the sky?",
+         "Recommend a good book."]
+WIDE = [f"Write about topic number {i}: " + t for i in range(8) for t in LONG]  # 64 distinct prompts
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    concurrency: int
+    prompts: list[str]  # all of them, split over the rounds
+    per_round: int
+    max_tokens: int
+    ignore_eos: bool
+
+
+SCENARIOS = [
+    Scenario("long greedy, c=1", 1, LONG, 2, 384, True),
+    Scenario("long greedy, c=4", 4, LONG, 4, 384, True),
+    Scenario("short open chat, c=1", 1, SHORT, 4, 64, False),
+    Scenario("wide, c=16", 16, WIDE[:48], 16, 64, True),
+    Scenario("wide, c=64", 64, WIDE * 3, 64, 32, True),
+]
+ARMS = ("off", "ngram", "oracle")
+LD_PRELOAD = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+
+def record(path: Path) -> None:
+    """Greedy continuations of every prompt (the longest max_tokens it is asked for), as the
+    oracle's book: prompt token ids (the server's chat rendering) -> output token ids."""
+    from engine.chat_prompt import chat_prompt_ids
+    from engine.engine import make_engine
+    from engine.kv_config import ApcConfig
+    from engine.loader import load_model
+    from engine.request import Request, RequestId, SamplingParams
+    from engine.scheduler import SchedulerConfig
+
+    loaded = load_model()
+    engine = make_engine(loaded, SchedulerConfig(max_num_seqs=64), apc=ApcConfig(enabled=False))
+    longest: dict[str, int] = {}
+    for s in SCENARIOS:
+        for p in s.prompts:
+            longest[p] = max(longest.get(p, 0), s.max_tokens)
+    requests = []
+    for i, (text, n) in enumerate(longest.items()):
+        ids = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": text}])
+        requests.append(Request(RequestId(f"b{i}"), ids, SamplingParams(max_tokens=n, temperature=0.0,
+                                                                         ignore_eos=True)))
+        engine.add_request(requests[-1])
+    while engine.has_work():
+        engine.step()
+    path.write_text(json.dumps([{"prompt": r.prompt_ids, "output": r.output_ids} for r in requests]))
+
+
+def start(arm: str, port: int, book: Path, log: Path) -> subprocess.Popen:
+    flags = ["serve", "--port", str(port), "--no-apc", "--max-num-seqs", "64"]
+    if arm == "off":
+        cmd = [sys.executable, "-m", "server.cli", *flags]
+    elif arm == "ngram":
+        cmd = [sys.executable, "-m", "server.cli", *flags, "--speculative", "ngram"]
+    else:
+        cmd = [sys.executable, str(ROOT / "bench" / "spec_oracle_server.py"), str(book), *flags,
+               "--speculative", "ngram"]
+    env = {**os.environ, "LD_PRELOAD": LD_PRELOAD, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the server at {url} did not come up")
+
+
+async def run_round(url: str, s: Scenario, prompts: list[str]) -> tuple[int, float]:
+    """(completion tokens, wall seconds) of ``prompts`` sent with ``s.concurrency`` at a time."""
+    gate = asyncio.Semaphore(s.concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        async def one(text: str) -> int:
+            async with gate:
+                body = {"model": "fixture-chat-29m-q8", "messages": [{"role": "user", "content": text}],
+                        "temperature": 0, "max_tokens": s.max_tokens, "ignore_eos": s.ignore_eos}
+                r = await client.post("/v1/chat/completions", json=body)
+                r.raise_for_status()
+                return r.json()["usage"]["completion_tokens"]
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(p) for p in prompts))
+        return sum(tokens), time.perf_counter() - t0
+
+
+def acceptance(url: str) -> tuple[int, int]:
+    spec = httpx.get(url + "/health", timeout=10).json().get("speculative") or {}
+    return spec.get("draft_tokens", 0), spec.get("accepted_tokens", 0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json-out", default=str(ROOT / "bench" / "results" / "speculative-cpu.json"))
+    parser.add_argument("--base-port", type=int, default=18740)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvarn-spec-"))
+    book = tmp / "book.json"
+    record(book)
+    urls = {arm: f"http://127.0.0.1:{args.base_port + i}" for i, arm in enumerate(ARMS)}
+    procs = {arm: start(arm, args.base_port + i, book, tmp / f"{arm}.log") for i, arm in enumerate(ARMS)}
+    results = []
+    try:
+        for arm, proc in procs.items():
+            wait_ready(urls[arm], proc)
+        for s in SCENARIOS:
+            rounds = len(s.prompts) // s.per_round
+            rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
+            before = {arm: acceptance(urls[arm]) for arm in ARMS}
+            for r in range(rounds):
+                prompts = s.prompts[r * s.per_round: (r + 1) * s.per_round]
+                for arm in ARMS[r % 3:] + ARMS[: r % 3]:  # the order rotates by round
+                    tokens, wall = asyncio.run(run_round(urls[arm], s, prompts))
+                    rates[arm].append(tokens / wall)
+            row = {"scenario": s.name, "concurrency": s.concurrency, "max_tokens": s.max_tokens, "rounds": rounds,
+                   "requests_per_round": s.per_round}
+            for arm in ARMS:
+                drafted, accepted = (a - b for a, b in zip(acceptance(urls[arm]), before[arm]))
+                median = statistics.median(rates[arm])
+                row[arm] = {"tok_s": round(median, 1), "rounds_tok_s": [round(x, 1) for x in rates[arm]],
+                            "vs_off": round(median / statistics.median(rates["off"]), 2),
+                            "draft_tokens": drafted, "accepted_tokens": accepted,
+                            "acceptance": round(accepted / drafted, 3) if drafted else None}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(30)
+    out = {"device": "CPU (MLX CPU backend, OpenBLAS), 2 cores shared", "model": "fixture-chat-29m-q8",
+           "kv_layout": "kvarn k4v2 (default)", "num_speculative_tokens": 4, "results": results}
+    Path(args.json_out).write_text(json.dumps(out, indent=1) + "\n")
+    print("| scenario | off tok/s | ngram tok/s (x, acceptance) | oracle tok/s (x, acceptance) |")
+    print("|---|---|---|---|")
+    for row in results:
+        cells = [f"{row[a]['tok_s']} ({row[a]['vs_off']}x, {row[a]['acceptance']})" for a in ("ngram", "oracle")]
+        print(f"| {row['scenario']} | {row['off']['tok_s']} | {cells[0]} | {cells[1]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
