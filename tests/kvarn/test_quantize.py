@@ -45,6 +45,21 @@ ILLCOND_RATIO = 10.0
 EXP_NOISE = 1.2e-6  # two float32 exp's of a few ulps each
 FP16_MAX_INPUT = 3.0e4  # keep |x| where fp16 scales cannot overflow (beta <= e^0.3 max|x|)
 
+NORMALIZATIONS = {"moments": Q._normalize_moments, "direct": Q._normalize_direct}
+
+
+@pytest.fixture(autouse=True, scope="module", params=sorted(NORMALIZATIONS))
+def normalization(request):
+    """Every test runs with both ways the normalization takes its stds: from float64 moments (the
+    CPU's) and over the balanced matrix (GPUs': no float64 there, so that one runs on the CPU)."""
+    if request.param == "moments" and mx.default_device() != mx.cpu:
+        pytest.skip("float64 moments are the CPU's normalization")
+    chosen = Q.normalize
+    Q.normalize = NORMALIZATIONS[request.param]
+    yield request.param
+    Q.normalize = chosen
+
+
 REPORT: Counter = Counter()
 REPORT_KEYS = ("tiles", "codes", "boundary", "illcond", "flip_tiles", "flip_inequiv", "flip_codes",
                "scales", "scale_ulp")
