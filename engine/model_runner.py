@@ -31,10 +31,10 @@ from engine.loader import LoadedModel
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import PromptArrays, SampleArrays, SamplerState, make_sampler_state, sample, score_prompt
 from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
-from engine.verify import Verifying, collect_verify, dispatch_verify
+from engine.verify import Verifying, collect_verify, dispatch_verify, verify_choices
 from kvarn.batch import BatchRows, ChunkRows
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore, make_batch_cache, paged_row
+from kvarn.rows import RowStore, begin_verify, make_batch_cache, paged_row, verifies_in_batch
 from kvarn.step import forward_context
 
 logger = logging.getLogger(__name__)
@@ -183,11 +183,14 @@ class ModelRunner:
             scores: dict[RequestId, PromptArrays] = {}  # prompt tokens scored (prompt_logprobs)
             for chunks in self._prefill_groups(plan.prefills, requests):
                 self._prefill(chunks, requests, logits, scores)
-            # rows with drafts verify them in a forward of their own; the others decode as a batch
-            verifying = dispatch_verify(self, plan.drafts, requests, plan.draft_probs) if plan.drafts else {}
+            # rows with drafts verify them inside the decode batch where their storage plans it (KVarN
+            # rows: ``verifies_in_batch``), else in a chunk forward of their own; the others decode
+            inline = {i: d for i, d in (plan.drafts or {}).items() if verifies_in_batch(self.rows[i].cache)}
+            separate = {i: d for i, d in (plan.drafts or {}).items() if i not in inline}
+            verifying = dispatch_verify(self, separate, requests, plan.draft_probs) if separate else {}
             decodes = tuple(i for i in plan.decodes if i not in verifying)
             if decodes:
-                self._decode(decodes, requests, logits, after)
+                verifying.update(self._decode(decodes, requests, logits, after, inline, plan.draft_probs))
             masks = job.result() if job is not None else {}
             pending: dict[RequestId, SampleArrays] = {}
             ended = {}
@@ -306,9 +309,16 @@ class ModelRunner:
                     out[request_id] = logits[k]
 
     def _decode(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
-                out: dict[RequestId, mx.array], after: Dispatched | None = None) -> None:
+                out: dict[RequestId, mx.array], after: Dispatched | None = None,
+                drafts: Mapping[RequestId, tuple[int, ...]] | None = None,
+                draft_probs: Mapping[RequestId, mx.array] | None = None) -> dict[RequestId, Verifying]:
         """The rows' next logits, already being computed when this returns (masks are awaited next).
-        ``after``: the inputs are that step's sampled tokens (lazy), not the requests' last ones."""
+        ``after``: the inputs are that step's sampled tokens (lazy), not the requests' last ones.
+        ``drafts``: rows of the batch that verify drafts in it (their last token and drafts as
+        several tokens of the planned step, ``kvarn.rows.verifies_in_batch``); returns their
+        verifies."""
+        if drafts:
+            return self._decode_verifying(ids, requests, out, drafts, draft_probs)
         if not self.batch_decode:
             for request_id in ids:
                 row = self.rows[request_id]
@@ -317,7 +327,7 @@ class ModelRunner:
                 with forward_context(row.cache):
                     out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
             mx.async_eval([out[i] for i in ids])
-            return
+            return {}
         self.batch.sync(ids, self.rows)
         if after is not None:
             tokens = mx.stack([after.pending[i].token for i in self.batch.ids]).astype(mx.int32)[:, None]
@@ -330,6 +340,34 @@ class ModelRunner:
         mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
             out[request_id] = logits[b]
+        return {}
+
+    def _decode_verifying(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
+                          out: dict[RequestId, mx.array], drafts: Mapping[RequestId, tuple[int, ...]],
+                          draft_probs: Mapping[RequestId, mx.array] | None) -> dict[RequestId, Verifying]:
+        """A decode batch in which some rows verify drafts: one planned forward of [B, T] tokens,
+        each row writing its own count (1, or its last token and its drafts); ordinary rows get
+        their next logits, verifying rows their choices at every position (``engine/verify.py``)."""
+        self.batch.sync(ids, self.rows)
+        rows = [[requests[i].output_ids[-1], *drafts.get(i, ())] for i in self.batch.ids]
+        counts = [len(r) for r in rows]
+        T = max(counts)
+        tokens = mx.array([r + [0] * (T - len(r)) for r in rows], dtype=mx.int32)
+        for i in drafts:
+            begin_verify(self.rows[i].cache)
+        with forward_context(self.batch.layers):
+            logits = self.graphs.logits(tokens, self.batch.layers, counts)
+        if logits is None:
+            raise RuntimeError("a verify in the decode batch that its storage cannot plan")
+        verifying = {}
+        for b, request_id in enumerate(self.batch.ids):
+            if request_id in drafts:
+                verifying[request_id] = verify_choices(logits[b, : counts[b]], drafts[request_id], self.rows[request_id],
+                                                       draft_probs.get(request_id) if draft_probs else None)
+            else:
+                out[request_id] = logits[b, 0]
+        mx.async_eval([logits])
+        return verifying
 
     def _new_row(self, request: Request, hit: Any = None) -> Row:
         capacity = self.capacity(request) if self.capacity is not None else None

@@ -66,14 +66,19 @@ def dispatch_verify(runner: Any, drafts: Mapping[RequestId, tuple[int, ...]],
     with forward_context(cache):
         hidden = runner.forward.hidden(tokens, cache)
     logits = runner.forward.all_logits(hidden)
-    out = {}
-    for b, (request_id, row) in enumerate(zip(ids, rows)):
-        q = draft_probs.get(request_id) if draft_probs else None
-        out[request_id] = Verifying(drafts[request_id], choose(logits[b, : lengths[b]], drafts[request_id],
-                                                               row.params, row.sampler, q))
+    out = {request_id: verify_choices(logits[b, : lengths[b]], drafts[request_id], row,
+                                      draft_probs.get(request_id) if draft_probs else None)
+           for b, (request_id, row) in enumerate(zip(ids, rows))}
     if runner.store.in_place:  # settled now, so the decode batch's writes to the shared buffers are in place
         mx.eval([a for v in out.values() for a in v.arrays()], [c.state for row in rows for c in row.cache])
     return out
+
+
+def verify_choices(logits: mx.array, drafts: tuple[int, ...], row: Any, q: mx.array | None) -> Verifying:
+    """A row's verify from its logits at its k + 1 positions [k + 1, V] (a chunk forward's, or
+    the decode batch's where the row verified in it: ``ModelRunner._decode_verifying``); ``q``:
+    the drafts' distributions [k, V] (None: deterministic drafts)."""
+    return Verifying(drafts, choose(logits, drafts, row.params, row.sampler, q))
 
 
 def collect_verify(runner: Any, verifying: Mapping[RequestId, Verifying]) -> dict[RequestId, list[SampledToken]]:

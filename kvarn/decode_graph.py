@@ -78,6 +78,7 @@ class DecodePlan:
     padded: int
     build: Callable[[tuple, dict[str, mx.array], list[mx.array]], list[Any]]
     finish: Callable[[list[mx.array]], None]
+    commits: int = 0  # tiles the step commits (padded): the graph holds the quantizer
 
 
 def written(caches: Sequence[Any]) -> list[mx.array]:
@@ -87,16 +88,22 @@ def written(caches: Sequence[Any]) -> list[mx.array]:
 
 # --- the KVarN pool ---------------------------------------------------------------------------
 
-def paged_plan(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
+def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan | None:
     """The step of ``batches`` (one ``PagedBatch`` per layer, the same rows in each) planned as
-    arrays, or None where a fused kernel attends (it plans from host integers)."""
+    arrays, or None where a fused kernel attends (it plans from host integers). ``counts``: the
+    tokens each row writes this step (default one each; a row verifying drafts writes its last
+    token and its drafts, all inside its tile: ``PagedRow.verify_room``; a windowed row writes one)."""
     views0 = batches[0].rows
     pool, layout = views0[0].row.pool, views0[0].layout
     if fused_attention():
         return None
+    counts = list(counts) if counts is not None else [1] * len(views0)
+    if any(n > 1 and (v.row.max_kv_size is not None or v.row.verify_room() < n) for v, n in zip(views0, counts)):
+        raise ValueError("a row writes several tokens in a decode step only inside its tile, unwindowed")
     place_windows([v.row for v in views0])
+    before = [(v.offset, v.tail_len) for v in views0]
     index = plan_step(views0)
-    B, G = len(views0), layout.tile_size
+    B, G, T = len(views0), layout.tile_size, max(counts)
     Bp = (bucket(B, ROW_BUCKETS) or B) if pad else B
     lo = min(index.lengths.slots)
     consecutive = isinstance(index.windows, tuple)
@@ -110,25 +117,41 @@ def paged_plan(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
     Cp = (bucket(C, COMMIT_BUCKETS) or C) if pad else C
     i32 = mx.int32
     extra = Bp - B
+    counts += [1] * extra
     slots = list(L.slots) + [PAD] * extra
-    sink_len = list(L.sink_len) + [1] * extra  # a padding row attends position 0 of its window
-    tail_len = list(L.tail_len) + [0] * extra
     num_tiles = list(L.num_tiles) + [0] * extra
     write_pos = [p for _, p in index.writes] + [0] * extra
+    # position j of row b sees its window up to its own token j (the sink or the tail, as a one-token
+    # step would after writing it) and every record of its table; a padding row position 0 of its window
+    sink_end, tail_end = [], []
+    for b in range(Bp):
+        for j in range(T):
+            k = min(j, counts[b] - 1)  # a padding position repeats the row's last real one (its output is dropped)
+            if b >= B:
+                sink_end.append(1), tail_end.append(0)
+            elif before[b][0] < G:
+                sink_end.append(before[b][0] + k + 1), tail_end.append(0)
+            else:
+                sink_end.append(G), tail_end.append(L.tail_len[b] + k)
     w = mx.arange(2 * G, dtype=i32)[None]
-    sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (sink_len, tail_len, num_tiles))
-    mask = (w < sl) | ((w >= G) & (w < G + tl))
+    se, te = (mx.array(x, dtype=i32)[:, None] for x in (sink_end, tail_end))
+    mask = (w < se) | ((w >= G) & (w < G + te))  # [Bp*T, 2G]
     if nbp:
+        nt = mx.repeat(mx.array(num_tiles, dtype=i32), T)[:, None]
         mask = mx.concatenate([mask, (mx.arange(nbp * G, dtype=i32)[None] // G) < nt], axis=1)
     commit_slots = [slots[b] for b in index.commit_rows] + [PAD] * (Cp - C)
     commit_ids = list(index.commit_blocks) + [PAD] * (Cp - C)
     layers = [b.rows[0].l for b in batches]
     heads = tuple(pool.shapes[l] for l in layers)
     inputs = {"offset": mx.array([v.offset for v in views0] + [0] * extra, dtype=i32),
-              "mask": mask[:, None, None, :]}
+              "mask": mask.reshape(Bp, 1, T, -1)}
+    # (window, position) of token j of row b: its own window from its write position on; a padding
+    # token (past the row's count, or a padding row's) goes to the pad window at position j
+    targets = [(s, p + j) if j < n and b < B else (PAD, j)
+               for b, (s, p, n) in enumerate(zip(slots, write_pos, counts)) for j in range(T)]
     for H in sorted({h for h, _ in heads}):
-        inputs[f"rows{H}"] = mx.array([(s * H + h) * 2 * G + p for s, p in zip(slots, write_pos) for h in range(H)],
-                                      dtype=i32)
+        inputs[f"rows{H}"] = mx.array([(s * H + h) * 2 * G + p for b in range(Bp) for h in range(H)
+                                       for s, p in targets[b * T: (b + 1) * T]], dtype=i32)
     if slice_lo is None:
         inputs["windows"] = mx.array(slots, dtype=i32)
     if nbp:  # PAD is 0: the padding columns and rows point at the pad block
@@ -137,7 +160,7 @@ def paged_plan(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
         inputs["commit_slots"] = mx.array(commit_slots, dtype=i32)
         inputs["commit_ids"] = mx.array(commit_ids, dtype=i32)
     state = [x for l in layers for x in _paged_state(pool.layers[l])]
-    static = ("paged", layout, heads, Bp, nbp, Cp, slice_lo)
+    static = ("paged", layout, heads, Bp, nbp, Cp, slice_lo, T)
 
     def finish(arrays: list[mx.array]) -> None:
         k = 0
@@ -148,9 +171,14 @@ def paged_plan(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
             k += 2 + len(RECORD_FIELDS)
         for batch in batches:
             advance(batch.rows, index)
+            for view, n in zip(batch.rows, counts):
+                if n > 1:  # the verify's other tokens (in the sink, or the tail)
+                    view.offset += n - 1
+                    if view.offset - (n - 1) > G:
+                        view.tail_len += n - 1
             batch.index = None
 
-    return DecodePlan(static, inputs, state, B, Bp, _paged_caches, finish)
+    return DecodePlan(static, inputs, state, B, Bp, _paged_caches, finish, commits=Cp)
 
 
 def _paged_state(a: LayerArrays) -> list[mx.array]:
@@ -159,7 +187,7 @@ def _paged_state(a: LayerArrays) -> list[mx.array]:
 
 
 def _paged_caches(static: tuple, inputs: dict[str, mx.array], state: list[mx.array]) -> list[Any]:
-    _, layout, heads, Bp, nbp, Cp, slice_lo = static
+    _, layout, heads, Bp, nbp, Cp, slice_lo, T = static
     width = 2 + len(RECORD_FIELDS)
     return [PagedStepLayer(layout, state[i * width: (i + 1) * width], inputs, static)
             for i in range(len(heads))]
@@ -204,11 +232,17 @@ class PagedStepLayer:
                sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
         if sinks is not None:
             raise ValueError("KVarN attention does not support attention sinks")
-        _, _, _, Bp, nbp, _, slice_lo = self.static
+        _, _, _, Bp, nbp, _, slice_lo, T = self.static
         G = self.layout.tile_size
         windows = (slice_lo, slice_lo + Bp) if slice_lo is not None else self.inputs["windows"]
-        return decode_attention_over(queries, self.a, self.layout, scale, windows=windows, win_len=2 * G,
-                                     table=self.inputs.get("table"), mask=self.inputs["mask"])
+        B, n_q, _, D = queries.shape
+        mask = self.inputs["mask"]
+        if T > 1:  # the T positions of a row as more query heads: head h's R*T rows are (r, t), r major
+            queries = queries.reshape(B, n_q * T, 1, D)
+            mask = mx.tile(mask, (1, 1, n_q // self.a.win_k.shape[1], 1))
+        out = decode_attention_over(queries, self.a, self.layout, scale, windows=windows, win_len=2 * G,
+                                    table=self.inputs.get("table"), mask=mask)
+        return out.reshape(B, n_q, T, D)
 
     def arrays(self) -> list[mx.array]:
         return [self.a.win_k, self.a.win_v, *(self.a.records[name] for name in RECORD_FIELDS)]

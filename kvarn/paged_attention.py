@@ -99,7 +99,12 @@ def _dequantized_attention(queries: mx.array, a: Any, index: Any, layout: Any, s
         rec_k, rec_v = dequantize_blocks(gathered, layout, dtype)
         keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
     q = rotate(queries.astype(mx.float32)).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=index.mask)
+    mask = index.mask
+    if mask.shape[2] > 1:  # per query row of a KV head [B, 1, R, cols] (several positions a row) -> per head
+        B, n_q = queries.shape[:2]
+        H = keys.shape[1]
+        mask = mx.broadcast_to(mask[:, :, :, None], (B, H, n_q // H, 1, mask.shape[-1])).reshape(B, n_q, 1, -1)
+    out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
 
 

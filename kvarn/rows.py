@@ -30,6 +30,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_other
 from kvarn.batch import BatchRows
 from kvarn.decode_graph import DecodePlan, paged_plan, slot_plan
+from kvarn.paged_attention import fused_attention
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow
 from kvarn.paged_batch import PagedBatch
@@ -177,15 +178,25 @@ def make_batch_cache(layer_rows: Sequence[Any]) -> Any:
     return BatchRows(layer_rows, row_type=type(layer_rows[0]) if layer_rows else object)
 
 
-def plan_decode(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
+def plan_decode(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan | None:
     """A decode step of these batch caches (one per layer) planned as arrays, so that it can be
     compiled (``kvarn.decode_graph``): rows in the KVarN pool or in the baselines' slots, every
-    layer's; None for anything else (layers of other caches, a fused kernel's step)."""
+    layer's; None for anything else (layers of other caches, a fused kernel's step). ``counts``:
+    tokens per row (a verify's; KVarN rows only: ``verifies_in_batch``)."""
     if batches and all(isinstance(b, PagedBatch) for b in batches):
-        return paged_plan(batches, pad)
-    if batches and all(isinstance(b, SlotBatch) for b in batches):
+        return paged_plan(batches, pad, counts)
+    if batches and all(isinstance(b, SlotBatch) for b in batches) and not (counts and max(counts) > 1):
         return slot_plan(batches, pad)
     return None
+
+
+def verifies_in_batch(cache: Sequence[Any]) -> bool:
+    """Whether this row's verify (its last token and drafts) can ride in the planned decode batch
+    (``plan_decode`` with counts): every layer a paged KVarN view, unwindowed, where no fused
+    kernel attends; other rows verify in a chunk forward of their own (``engine/verify.py``)."""
+    row = paged_row(cache)
+    return row is not None and row.max_kv_size is None and all(isinstance(c, PagedLayer) for c in cache) \
+        and not fused_attention()
 
 
 def batchable(cache: Sequence[Any]) -> bool:

@@ -29,16 +29,19 @@ WORKLOAD = [(12, 70, 0), (130, 120, 0), (250, 60, 1), (5, 90, 6), (300, 40, 20),
 DIGITS = GrammarSpec.grammar('start: /[0-9]{1,6}/')
 
 
-def _engine(loaded, arm: str, mode: str, monkeypatch, apc: bool = True):
+def _engine(loaded, arm: str, mode: str, monkeypatch, apc: bool = True, commit_after: int = 0):
     """``mode``: "compiled" (graphs by bucket), "eager" (the same planned step uncompiled) or "host"
-    (no plan: the forward through the batch caches, as where a fused kernel attends)."""
+    (no plan: the forward through the batch caches, as where a fused kernel attends). Steps that
+    commit tiles are compiled after ``commit_after`` uses (0: at once, so the tests cover them)."""
     if mode == "host":
-        monkeypatch.setattr(compiled_step, "plan_decode", lambda caches: None)
+        monkeypatch.setattr(compiled_step, "plan_decode", lambda caches, **kw: None)
     else:
         monkeypatch.setattr(compiled_step, "plan_decode", plan_decode)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8 + 256, prefill_chunk_size=256,
                           compile_decode=mode == "compiled")
-    return make_engine(loaded, cfg, ARMS[arm], ApcConfig(enabled=apc))
+    engine = make_engine(loaded, cfg, ARMS[arm], ApcConfig(enabled=apc))
+    engine.runner.graphs.commit_after = commit_after
+    return engine
 
 
 def _run(engine, loaded, grammar=None) -> dict[str, tuple[int, ...]]:
@@ -140,6 +143,23 @@ def test_padding_rows_never_change_a_real_rows_logits(loaded, arm, monkeypatch):
             runner.store.release(f)
     np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-4)
     assert (results[0].argmax(-1) == results[1].argmax(-1)).all()
+
+
+def test_commit_structures_compile_once_they_recur(loaded, monkeypatch):
+    """One row crossing tile boundaries: its commit steps run uncompiled until a structure has come
+    back ``commit_after`` times; ordinary steps are compiled from their first use."""
+    counts = {}
+    for after in (0, 1000):
+        engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch, apc=False, commit_after=after)
+        request = Request(RequestId("c"), list(range(20, 140)), SamplingParams(max_tokens=300, temperature=0.0,
+                                                                            ignore_eos=True))
+        engine.add_request(request)
+        while engine.has_work():
+            engine.step()
+        graphs = engine.runner.graphs
+        counts[after] = (graphs.eager, graphs.steps, tuple(request.output_ids))
+    assert counts[0][0] == 0 and counts[1000][0] == 2  # tails filled at 256 and 384 tokens (the first G: the sink)
+    assert counts[0][2] == counts[1000][2]
 
 
 def test_table_buckets_grow_by_about_a_quarter():

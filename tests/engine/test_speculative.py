@@ -106,6 +106,8 @@ def test_greedy_tokens_equal_decoding_without_speculation(loaded, prompts, basel
     assert got == baselines[layout]
     counters = engine.speculator.counters
     assert counters.verifies > 0
+    # KVarN rows verify inside the planned decode batch (several tokens a row); slot rows in a chunk forward
+    assert (engine.runner.graphs.verifies > 0) == (layout == "kvarn-k4v2")
     if proposer == "replay":
         assert counters.accepted == counters.proposed
         assert counters.verifies < 3 * MAX_TOKENS / 3  # ~4-5 tokens a step, not one
@@ -123,6 +125,7 @@ def test_greedy_equal_with_kvarn_windows(loaded, prompts):
         engine.speculator.proposer = Replay({tuple(p): o for p, o in zip(prompts, want)}, wrong_after)
         assert [r.output_ids for r in generate(engine, prompts, greedy(80))] == want
         assert engine.speculator.counters.verifies > 0
+        assert engine.runner.graphs.verifies == 0  # windowed rows verify in a chunk forward of their own
         assert_pool_empty(engine)
 
 

@@ -49,7 +49,7 @@ def test_a_decode_forward_makes_its_shared_arrays_once(loaded, monkeypatch, arm,
     them inside it (the host path, where a fused kernel attends)."""
     kv = KVConfig("kvarn", 4, 2) if arm == "kvarn-k4v2" else KVConfig("fp16")
     if not planned:
-        monkeypatch.setattr(compiled_step, "plan_decode", lambda caches: None)
+        monkeypatch.setattr(compiled_step, "plan_decode", lambda caches, **kw: None)
     engine = make_engine(loaded, CONFIG, kv, ApcConfig(enabled=False))
     prompts = [[(7 * i + j) % 4000 + 16 for j in range(n)] for i, n in enumerate((40, 90, 150))]
     for i, prompt in enumerate(prompts):
