@@ -124,11 +124,10 @@ def _windows(a: Any, index: StepIndex) -> tuple[mx.array, mx.array]:
 
 def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, layout: Any, scale: float) -> mx.array:
     """The reference path where MLX reads quantized codes (CPU, Metal): scores and values of the
-    records straight from the pool's codes through ``mx.gather_qmm`` (the block table picks each
-    row's blocks: nothing is gathered or dequantized), the windows by plain matmuls, one softmax
-    under the step's validity mask, in float32; the factored form keeps the per-token factors
-    (k_r, v_c) outside the products. 10-13x the gather-and-dequantize path on a CPU at 900-2,000
-    tokens a row (docs/benchmarks.md, "Decode speed")."""
+    records straight from their codes through ``mx.quantized_matmul``, the windows by plain
+    matmuls, one softmax under the step's validity mask, in float32; the factored form keeps the
+    per-token factors (k_r, v_c) outside the products. The rows' blocks are gathered first
+    (``_row_records``), so a step reads what its rows hold whatever the pool's size."""
     B, n_q, _, D = queries.shape
     H = a.win_k.shape[1]
     R, G, f32 = n_q // H, layout.tile_size, mx.float32
@@ -137,29 +136,44 @@ def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, lay
     scores = [q @ mx.swapaxes(win_k, -1, -2).astype(f32)]
     table = index.table
     if table is not None:
-        rec = a.records
-        N, _, S, W, Gw = rec["k_codes"].shape
+        rec = _row_records(a.records, table)
         nb = table.shape[1]
-        heads = mx.arange(H)[:, None] * S + mx.arange(S)[None]  # [H, S]: (head, slice) of a block
-        rows = mx.broadcast_to(mx.arange(B)[:, None, None, None] * (H * S) + heads, (B, nb, H, S))
-        blocks = table[:, :, None, None] * (H * S) + heads  # [B, nb, H, S]
-        q_s = q.reshape(B, H, R, S, W).transpose(0, 1, 3, 2, 4).reshape(B * H * S, R, W)
-        raw = mx.gather_qmm(q_s, rec["k_codes"].reshape(N * H * S, W, Gw), rec["k_alpha"].reshape(N * H * S, W, 1),
-                            rec["k_beta"].reshape(N * H * S, W, 1), lhs_indices=rows, rhs_indices=blocks,
-                            transpose=False, group_size=G, bits=layout.key_bits)  # [B, nb, H, S, R, G]
-        k_r = rec["k_r"][table].astype(f32)  # [B, nb, H, S, G]
-        s_rec = mx.sum(raw * k_r[:, :, :, :, None, :], axis=3)  # [B, nb, H, R, G]
-        scores.append(s_rec.transpose(0, 2, 3, 1, 4).reshape(B, H, R, nb * G))
+        scores.append(_record_scores(q, rec, layout).transpose(0, 2, 3, 1, 4).reshape(B, H, R, nb * G))
     s = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
     p = mx.softmax(mx.where(index.mask, s, -mx.inf), axis=-1)
     n = index.win_len
     out = p[..., :n] @ win_v.astype(f32)
     if table is not None:
-        Dw = rec["v_codes"].shape[-1]
-        p_r = p[..., n:].reshape(B, H, R, nb, G).transpose(0, 3, 1, 2, 4).reshape(B * nb * H, R, G)
-        part = mx.gather_qmm(p_r, rec["v_codes"].reshape(N * H, G, Dw), rec["v_alpha"].reshape(N * H, G, S),
-                             rec["v_beta"].reshape(N * H, G, S), lhs_indices=mx.arange(B * nb * H).reshape(B, nb, H),
-                             rhs_indices=table[:, :, None] * H + mx.arange(H), transpose=False, group_size=D // S,
-                             bits=layout.value_bits)  # [B, nb, H, R, D]
-        out = out + mx.sum(part * rec["v_c"][table].astype(f32)[:, :, :, None, :], axis=1)
+        p_rec = p[..., n:].reshape(B, H, R, nb, G).transpose(0, 3, 1, 2, 4)  # [B, nb, H, R, G]
+        out = out + _record_values(p_rec, rec, layout)
     return rotate(out).astype(queries.dtype).reshape(B, n_q, 1, D)
+
+
+def _row_records(records: dict[str, mx.array], table: mx.array) -> dict[str, mx.array]:
+    """The record fields of the blocks ``table`` [B, nb], factors in float32 ([B, nb, ...]).
+    Gathered, not indexed inside the products: ``mx.gather_qmm`` over the whole pool casts every
+    block's float16 factors to float32 at each call (a step's cost then grows with the pool:
+    8.0 vs 1.9 ms a layer for one 3,000-token row in a pool of 2,072 blocks on a CPU)."""
+    return {name: x[table] if x.dtype == mx.uint32 else x[table].astype(mx.float32) for name, x in records.items()}
+
+
+def _record_scores(q: mx.array, rec: dict[str, mx.array], layout: Any) -> mx.array:
+    """Scores [B, nb, H, R, G] of queries ``q`` [B, H, R, D] (rotated, scaled) against each row's
+    records: per 128-channel slice, q . (codes * alpha + beta) over the slice's channels, times
+    the token factor k_r, summed over slices."""
+    B, H, R, D = q.shape
+    S, W = rec["k_codes"].shape[3:5]
+    q_s = q.reshape(B, 1, H, R, S, W).transpose(0, 1, 2, 4, 3, 5)  # [B, 1, H, S, R, W]: one product a block
+    raw = mx.quantized_matmul(q_s, rec["k_codes"], rec["k_alpha"][..., None], rec["k_beta"][..., None],
+                              transpose=False, group_size=layout.tile_size, bits=layout.key_bits)  # [B,nb,H,S,R,G]
+    return mx.sum(raw * rec["k_r"][:, :, :, :, None, :], axis=3)
+
+
+def _record_values(p: mx.array, rec: dict[str, mx.array], layout: Any) -> mx.array:
+    """sum over each row's records of p [B, nb, H, R, G] @ values: per block, p @ (codes * alpha +
+    beta) over its tokens, times the channel factor v_c, summed over blocks -> [B, H, R, D]."""
+    S = rec["v_alpha"].shape[-1]
+    D = rec["v_c"].shape[-1]
+    part = mx.quantized_matmul(p, rec["v_codes"], rec["v_alpha"], rec["v_beta"], transpose=False, group_size=D // S,
+                               bits=layout.value_bits)  # [B, nb, H, R, D]
+    return mx.sum(part * rec["v_c"][:, :, :, None, :], axis=1)
