@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from kvarn import cpu_attention
 from kvarn.quantize import rotate
 from kvarn.step import StepContext
 
@@ -67,7 +68,8 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
     MLX's GPU backends run this masked attention fused (CUDA: cuDNN with the mask as a bias; Metal:
     the full-attention kernel), so a chunk costs one attention call a layer however many tiles it
     spans, and the history is joined once (cutting the chunk at tiles instead joins it once a tile:
-    quadratic in the prompt's length). On the CPU MLX's attention is unfused whatever the mask.
+    quadratic in the prompt's length). On the CPU MLX's attention is unfused whatever the mask, and
+    float32 chunks attend through ``kvarn.cpu_attention`` (a vectorized exp).
     """
     start, end = chunk.start, chunk.start + queries.shape[2]
     q = rotate(queries.astype(mx.float32)).astype(queries.dtype)
@@ -88,8 +90,11 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
     values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
     shape = (start, end, sink_k.shape[2], num_records, window_start, G, q.dtype, rec_first, window)
     mask = (step or StepContext()).get(("chunk_mask", *shape), lambda: chunk_view_mask(*shape))
-    out = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
-                                               mask=mask)
+    keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+    if q.dtype == mx.float32 and mx.default_device() == mx.cpu:  # MLX's CPU softmax: a scalar exp an element
+        out = cpu_attention.attention(q, keys, values, scale, mask)
+    else:
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
 
 

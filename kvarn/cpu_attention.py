@@ -1,0 +1,61 @@
+"""Masked attention on MLX's CPU backend with a vectorized exp.
+
+On the CPU MLX's attention is unfused (scores, softmax, weighted sum) and its ``exp`` is a scalar
+libm call an element (~12 ns on this project's CPU): the softmax of a prompt chunk's scores cost
+four times both matrix products together (76 of 117 ms for 512 queries over 3,072 keys, 4 heads).
+Here ``exp`` is evaluated as ``2**n * p(r)`` (Cody-Waite reduction, the degree-7 polynomial of
+Cephes' ``expf``: 1.7e-7 relative error) in two compiled elementwise kernels, and the
+normalization is applied to the output instead of to every weight:
+
+    scores = q k^T * scale + mask          one product, one add
+    w      = exp(scores - max)             two fused kernels (argument reduction, polynomial)
+    out    = (w v) / sum(w)                one product, one sum, one divide over [L, D]
+
+Masked keys (-inf) get weight 2**-126 * p: ~1e-38, nothing next to the row's maximum's 1.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+LOG2E = 1.4426950408889634
+LN2_HI, LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * LN2_HI is exact
+EXP_FLOOR = -87.0  # exp of anything lower is below float32's normal range
+ROUND = 12582912.0  # 1.5 * 2**23: x + ROUND - ROUND rounds a float32 |x| < 2**22 to an integer
+POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+@mx.compile
+def _reduce(scores: mx.array, top: mx.array) -> tuple[mx.array, mx.array]:
+    """exp(scores - top) = 2**n * exp(r): (r in [-ln2/2, ln2/2], the float32 bits of 2**n)."""
+    x = mx.maximum(scores - top, EXP_FLOOR)
+    n = (x * LOG2E + ROUND) - ROUND
+    return (x - n * LN2_HI) - n * LN2_LO, (n.astype(mx.int32) + 127) << 23
+
+
+@mx.compile
+def _expand(r: mx.array, scale: mx.array) -> mx.array:
+    """scale * exp(r) for |r| <= ln2/2 (Estrin's scheme: shallow enough to fuse into one kernel)."""
+    r2 = r * r
+    high = (POLY[0] * r + POLY[1]) * r2 + (POLY[2] * r + POLY[3])
+    low = (POLY[4] * r + POLY[5]) * r2 + (r + 1.0)
+    return (high * (r2 * r2) + low) * scale
+
+
+def softmax_weights(scores: mx.array) -> mx.array:
+    """exp(scores - max) along the last axis (float32): softmax before its normalization."""
+    r, bits = _reduce(scores, mx.max(scores, axis=-1, keepdims=True))
+    return _expand(r, bits.view(mx.float32))
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """softmax(queries keys^T * scale + mask) values for float32 queries [B, n_q, L, D] over keys
+    and values [B, H, T, D] (query head i reads KV head i // (n_q / H), as mlx-lm's GQA) under an
+    additive ``mask`` [L, T]."""
+    B, n_q, L, D = queries.shape
+    H = keys.shape[1]
+    R = n_q // H
+    scores = (queries * scale).reshape(B, H, R * L, D) @ mx.swapaxes(keys, -1, -2)
+    weights = softmax_weights(scores.reshape(B, H, R, L, -1) + mask)
+    out = weights.reshape(B, H, R * L, -1) @ values
+    return (out.reshape(B, H, R, L, D) / mx.sum(weights, axis=-1, keepdims=True)).reshape(B, n_q, L, D)
