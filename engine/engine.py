@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from apc.reuse import PrefixReuse, exact_tier_possible, make_prefix_reuse
 from engine.kv_config import ApcConfig, KVConfig
 from engine.loader import LoadedModel
-from engine.memory import release_memory
+from engine.memory import keep_cpu_buffers, release_memory
 from engine.model_runner import Dispatched, ModelRunner
 from engine.accepted_output import advance_tokens
 from engine.speculator import SpecConfig, Speculator, make_proposer
@@ -55,6 +55,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     config = config or SchedulerConfig()
     apc = apc or ApcConfig()
     install_attention_seam(loaded.model)
+    keep_cpu_buffers()
     probe = make_cache(loaded.model, layout, capacity=1)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
     row = paged_row(probe)
