@@ -82,27 +82,37 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
     if rec_first and window is None:
         raise ValueError("records start past record 0 only in a windowed row")
     window_start = end
+    on_cpu = q.dtype == mx.float32 and mx.default_device() == mx.cpu  # MLX's CPU softmax: a scalar exp an element
     if chunk.window_k is not None:
-        parts_k.append(chunk.window_k.astype(sink_k.dtype))
-        parts_v.append(chunk.window_v.astype(sink_v.dtype))
         window_start = chunk.window_start
+        if not on_cpu:
+            parts_k.append(chunk.window_k.astype(sink_k.dtype))
+            parts_v.append(chunk.window_v.astype(sink_v.dtype))
     keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k, axis=2)
     values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
-    shape = (start, end, sink_k.shape[2], num_records, window_start, G, q.dtype, rec_first, window)
-    mask = (step or StepContext()).get(("chunk_mask", *shape), lambda: chunk_view_mask(*shape))
     keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-    if q.dtype == mx.float32 and mx.default_device() == mx.cpu:  # MLX's CPU softmax: a scalar exp an element
-        out = cpu_attention.attention(q, keys, values, scale, mask)
-    else:
+    mask_end = window_start if on_cpu else end  # the CPU takes the window tile by tile, beside the mask
+    shape = (start, end, sink_k.shape[2], num_records, window_start, G, q.dtype, rec_first, window, mask_end)
+    mask = (step or StepContext()).get(("chunk_mask", *shape), lambda: chunk_view_mask(*shape[:-1], mask_end))
+    if not on_cpu:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    elif window_start < end:
+        out = cpu_attention.window_attention(q, keys, values, mask, chunk.window_k.astype(q.dtype),
+                                             chunk.window_v.astype(q.dtype), start=start, window_start=window_start,
+                                             G=G, scale=scale)
+    else:
+        out = cpu_attention.attention(q, keys, values, scale, mask)
     return rotate(out.astype(mx.float32)).astype(queries.dtype)
 
 
 def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, window_start: int, G: int,
-                    dtype: mx.Dtype, rec_first: int = 0, window: int | None = None) -> mx.array:
-    """The additive mask [L, sink_len + num_records * G + (end - window_start)] of
+                    dtype: mx.Dtype, rec_first: int = 0, window: int | None = None,
+                    window_end: int | None = None) -> mx.array:
+    """The additive mask [L, sink_len + num_records * G + (window_end - window_start)] of
     ``chunk_attention_over`` for queries at positions ``start .. end - 1`` (0 where a key is seen,
-    -inf where not) over records ``rec_first .. rec_first + num_records - 1``."""
+    -inf where not) over records ``rec_first .. rec_first + num_records - 1`` and window tokens
+    ``window_start .. window_end - 1`` (``window_end`` by default ``end``: all of them)."""
+    window_end = end if window_end is None else window_end
     i32 = mx.int32
     p = mx.arange(start, end, dtype=i32)[:, None]
     seen = [mx.arange(sink_len, dtype=i32)[None] <= p]
@@ -112,8 +122,8 @@ def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, windo
         if window is not None:
             rec_ok = rec_ok & (r >= evicted_records_at(p + 1, window, G))
         seen.append(rec_ok)
-    if window_start < end:
-        w = mx.arange(window_start, end, dtype=i32)[None]
+    if window_start < window_end:
+        w = mx.arange(window_start, window_end, dtype=i32)[None]
         seen.append((w // G == p // G) & (w <= p) & (p % G != G - 1))
     ok = seen[0] if len(seen) == 1 else mx.concatenate(seen, axis=1)
     return mx.where(ok, mx.array(0, dtype), mx.array(-float("inf"), dtype))

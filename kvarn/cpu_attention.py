@@ -12,6 +12,10 @@ normalization is applied to the output instead of to every weight:
     out    = (w v) / sum(w)                one product, one sum, one divide over [L, D]
 
 Masked keys (-inf) get weight 2**-126 * p: ~1e-38, nothing next to the row's maximum's 1.
+
+A KVarN prompt chunk's float16 window is seen tile by tile (a token sees its own tile's tokens up
+to itself), so ``window_attention`` takes it as G x G blocks beside the masked keys instead of as
+L more masked columns: the two parts share one max and one normalization.
 """
 
 from __future__ import annotations
@@ -42,9 +46,10 @@ def _expand(r: mx.array, scale: mx.array) -> mx.array:
     return (high * (r2 * r2) + low) * scale
 
 
-def softmax_weights(scores: mx.array) -> mx.array:
-    """exp(scores - max) along the last axis (float32): softmax before its normalization."""
-    r, bits = _reduce(scores, mx.max(scores, axis=-1, keepdims=True))
+def softmax_weights(scores: mx.array, top: mx.array | None = None) -> mx.array:
+    """exp(scores - top) (float32; ``top`` by default the max along the last axis): softmax
+    before its normalization."""
+    r, bits = _reduce(scores, mx.max(scores, axis=-1, keepdims=True) if top is None else top)
     return _expand(r, bits.view(mx.float32))
 
 
@@ -59,3 +64,51 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     weights = softmax_weights(scores.reshape(B, H, R, L, -1) + mask)
     out = weights.reshape(B, H, R * L, -1) @ values
     return (out.reshape(B, H, R, L, D) / mx.sum(weights, axis=-1, keepdims=True)).reshape(B, n_q, L, D)
+
+
+def window_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, window_k: mx.array,
+                     window_v: mx.array, *, start: int, window_start: int, G: int, scale: float) -> mx.array:
+    """``attention`` over [keys (under ``mask``) | window] for queries at positions ``start ..``,
+    where query p sees window token w (positions ``window_start ..``, a multiple of G) iff
+    w // G == p // G, w <= p and p is not its tile's last token. The window part is computed per
+    tile, queries and window laid out on the window's tiles:
+
+        tile rows   [ window_start .. lo | lo .. end | pad ]   lo = max(start, window_start)
+        chunk rows             [ start .. lo | lo .. end ]     (rows before lo see no window)
+    """
+    B, n_q, L, D = queries.shape
+    H = keys.shape[1]
+    R, end = n_q // H, start + L
+    lo = max(start, window_start)
+    num_tiles = -(-(end - window_start) // G)
+    front, back, skip = lo - window_start, num_tiles * G - (end - window_start), lo - start
+    q = (queries * scale).reshape(B, H, R, L, D)
+    main = (q.reshape(B, H, R * L, D) @ mx.swapaxes(keys, -1, -2)).reshape(B, H, R, L, -1) + mask
+    tiles_q = _pad_rows(q[:, :, :, skip:], front, back, 0.0).reshape(B, H, R, num_tiles, G, D)
+    tiles_k, tiles_v = (_pad_rows(x, 0, back, 0.0).reshape(B, H, 1, num_tiles, G, D) for x in (window_k, window_v))
+    local = tiles_q @ mx.swapaxes(tiles_k, -1, -2) + _tile_mask(G)  # [B, H, R, tiles, G, G]
+
+    def to_chunk(x: mx.array, fill: float) -> mx.array:  # tile rows [.., tiles, G, k] -> chunk rows [.., L, k]
+        x = x.reshape(B, H, R, num_tiles * G, -1)[:, :, :, front: num_tiles * G - back]
+        return _pad_rows(x, skip, 0, fill)
+
+    top = mx.maximum(mx.max(main, axis=-1, keepdims=True), to_chunk(mx.max(local, axis=-1, keepdims=True), -mx.inf))
+    w_main = softmax_weights(main, top)
+    w_local = softmax_weights(local, _pad_rows(top[:, :, :, skip:], front, back, 0.0).reshape(B, H, R, num_tiles, G, 1))
+    out = (w_main.reshape(B, H, R * L, -1) @ values).reshape(B, H, R, L, D) + to_chunk(w_local @ tiles_v, 0.0)
+    total = mx.sum(w_main, axis=-1, keepdims=True) + to_chunk(mx.sum(w_local, axis=-1, keepdims=True), 0.0)
+    return (out / total).reshape(B, n_q, L, D)
+
+
+def _pad_rows(x: mx.array, before: int, after: int, fill: float) -> mx.array:
+    """``x`` [..., rows, k] with ``before`` and ``after`` rows of ``fill`` added."""
+    if not before and not after:
+        return x
+    return mx.pad(x, [(0, 0)] * (x.ndim - 2) + [(before, after), (0, 0)], constant_values=fill)
+
+
+def _tile_mask(G: int) -> mx.array:
+    """Additive [G, G]: a tile's query a sees its tile's token b iff b <= a and a is not the tile's
+    last token (that one sees its tile as a record)."""
+    a, b = mx.arange(G)[:, None], mx.arange(G)[None]
+    return mx.where((b <= a) & (a < G - 1), mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))

@@ -55,3 +55,24 @@ def test_attention_matches_float64_and_mlx(n_q, H, L, T, D):
     mlx = np.array(mx.fast.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=scale,
                                                          mask=mx.array(mask)))
     assert np.abs(got - mlx).max() / np.abs(want).max() < 2e-6
+
+
+@pytest.mark.parametrize("start,L,window_start", [(0, 300, 64), (70, 200, 64), (192, 64, 128), (130, 1, 128),
+                                                  (320, 77, 256)])
+def test_window_attention_is_the_masked_attention_over_the_joined_keys(start, L, window_start):
+    """The window taken tile by tile gives what one masked attention over [keys | window] gives."""
+    from kvarn.chunk_attention import chunk_view_mask
+
+    G, H, n_q, D = 64, 2, 4, 128
+    end = start + L
+    num_records = max(window_start // G - 1, 0)  # the sink is full: records follow it up to the window
+    rng = np.random.default_rng([start, L, window_start])
+    q = mx.array(rng.standard_normal((1, n_q, L, D)).astype(np.float32))
+    keys, values = (mx.array(rng.standard_normal((1, H, G + num_records * G, D)).astype(np.float32)) for _ in "kv")
+    win_k, win_v = (mx.array(rng.standard_normal((1, H, end - window_start, D)).astype(np.float32)) for _ in "kv")
+    args = (start, end, G, num_records, window_start, G, mx.float32)
+    joined = CA.attention(q, mx.concatenate([keys, win_k], axis=2), mx.concatenate([values, win_v], axis=2), 0.1,
+                          chunk_view_mask(*args))
+    got = CA.window_attention(q, keys, values, chunk_view_mask(*args, window_end=window_start), win_k, win_v,
+                              start=start, window_start=window_start, G=G, scale=0.1)
+    assert np.abs(np.array(got) - np.array(joined)).max() / np.abs(np.array(joined)).max() < 2e-6
