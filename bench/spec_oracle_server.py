@@ -40,6 +40,9 @@ class ReplayProposer:
                 out[ask.request.request_id] = Draft(tokens)
         return out
 
+    def feedback(self, request_id: RequestId, num_accepted: int) -> None:
+        """Nothing is kept per row."""
+
     def forget(self, request_id: RequestId) -> None:
         """Nothing is kept per row."""
 

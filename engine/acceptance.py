@@ -104,8 +104,11 @@ def rejection_sample(logp: mx.array, drafts: mx.array, draft_probs: mx.array, su
     """Standard speculative rejection sampling: [k + 1] choices for target log-probabilities
     ``logp`` [k + 1, vocab], drafts [k] drawn from ``draft_probs`` [k, vocab], subkeys [k + 1, 2]
     (position i's accept draw and residual draw both from ``subs[i]``). ``c_i = d_{i+1}`` where
-    accepted, else a residual draw; ``c_k`` is drawn from ``p_k``."""
+    accepted, else a residual draw; ``c_k`` is drawn from ``p_k``. ``logp`` may leave out the mass
+    that top-k/top-p/min-p filtered (mlx-lm's filters do not renormalize): it is renormalized here,
+    since ``p(d) / q(d)`` and ``p - q`` compare probabilities; ``draft_probs`` rows sum to 1."""
     k = drafts.shape[0]
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
     p = mx.exp(logp[:k])
     q = draft_probs.astype(mx.float32)
     p_d = mx.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]

@@ -2,14 +2,16 @@
 
 A proposer is asked, once a step, for drafts of up to ``k`` tokens for each of some decoding rows
 (``Ask``: the row's request and its ``k``), and answers with what it has (``Draft``: fewer tokens,
-or none, where it has no guess). ``forget`` lets go of a row that ended. Proposers here:
+or none, where it has no guess). After the verify, ``feedback`` says how many of a row's drafts
+the target kept (a proposer with state per row drops the rest); ``forget`` lets go of a row that
+ended. Proposers:
 
 - ``NgramProposer`` (prompt lookup, ``--speculative ngram``): the longest suffix of the row's
   tokens (prompt and output) of ``ngram_max`` down to ``ngram_min`` tokens that occurred
   earlier, and the tokens that followed its latest earlier occurrence. Pure Python/NumPy.
-A draft model (a smaller model with the same tokenizer) or a model's multi-token-prediction
-heads would be proposers of this shape; one that samples its drafts hands its distributions
-(``Draft.probs``) to the verify's rejection sampling (``engine/acceptance.py``).
+- ``DraftProposer`` (``--speculative draft``, ``engine/draft_model.py``): a smaller model with the
+  target's tokenizer, its own cache per row; it samples a sampled row's drafts and hands their
+  distributions (``Draft.probs``) to the verify's rejection sampling (``engine/acceptance.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class Proposer(Protocol):
         """Drafts for some of ``asks`` (at most each ask's ``k`` tokens; rows without a guess are
         left out)."""
 
+    def feedback(self, request_id: RequestId, num_accepted: int) -> None:
+        """The target kept the first ``num_accepted`` of the row's last drafts."""
+
     def forget(self, request_id: RequestId) -> None:
         """The row ended: drop what is kept for it."""
 
@@ -72,6 +77,9 @@ class NgramProposer:
             if tokens:
                 out[ask.request.request_id] = Draft(tokens)
         return out
+
+    def feedback(self, request_id: RequestId, num_accepted: int) -> None:
+        """Nothing is kept per row."""
 
     def forget(self, request_id: RequestId) -> None:
         """Nothing is kept per row."""

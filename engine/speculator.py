@@ -21,39 +21,47 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 from engine.proposers import Ask, Draft, NgramProposer, Proposer
 from engine.request import Request, RequestId
 from engine.step_types import StepPlan, StepResult
 
 EMA = 0.5  # weight of a row's newest verify in its acceptance average
+METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, in plain values (``--speculative``, ``--num-speculative-tokens``,
-    ``--speculative-ngram-min``/``-max``, ``--speculative-max-batch``)."""
+    ``--speculative-ngram-min``/``-max``, ``--speculative-max-batch``, ``--draft-model``)."""
 
-    method: str = "ngram"  # prompt lookup
+    method: str = "ngram"  # prompt lookup; "draft": a draft model (``draft_model``: its folder)
     num_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
     max_batch: int = 8
+    draft_model: str | None = None
     min_acceptance: float = 0.3
     min_verifies: int = 4
     backoff: int = 16
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"unknown speculative method {self.method!r} (ngram)")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r} ({', '.join(METHODS)})")
         if self.num_tokens < 1 or self.max_batch < 1:
             raise ValueError("num_speculative_tokens and speculative_max_batch must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("the n-gram sizes need 1 <= ngram_min <= ngram_max")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("the draft method needs a draft model (--draft-model PATH), and a draft model "
+                             "needs the draft method (--speculative draft)")
 
     def describe(self) -> dict[str, object]:
-        return {"method": self.method, "num_speculative_tokens": self.num_tokens, "max_batch": self.max_batch,
-                "ngram_min": self.ngram_min, "ngram_max": self.ngram_max}
+        own = ({"ngram_min": self.ngram_min, "ngram_max": self.ngram_max} if self.method == "ngram"
+               else {"draft_model": Path(self.draft_model).name})
+        return {"method": self.method, "num_speculative_tokens": self.num_tokens, "max_batch": self.max_batch, **own}
 
 
 @dataclass
@@ -135,6 +143,7 @@ class Speculator:
             if request_id not in result.sampled:
                 continue
             accepted = len(result.accepted.get(request_id, ()))
+            self.proposer.feedback(request_id, accepted)
             self.counters.proposed += len(drafts)
             self.counters.accepted += accepted
             self.counters.verifies += 1
@@ -156,9 +165,13 @@ class Speculator:
                 "verifies": c.verifies, "acceptance_rate": round(c.accepted / c.proposed, 4) if c.proposed else None}
 
 
-def make_proposer(config: SpecConfig, target: object = None) -> Proposer:
-    """The proposer ``config`` names (``target``: the loaded target model, which a proposer with
-    a model of its own would check its tokenizer against)."""
+def make_proposer(config: SpecConfig, target: Any = None) -> Proposer:
+    """The proposer ``config`` names (``target``: the loaded target model, whose tokenizer a draft
+    model must share)."""
+    if config.method == "draft":
+        from engine.draft_model import load_draft
+
+        return load_draft(config.draft_model, target)
     return NgramProposer(config.ngram_min, config.ngram_max)
 
 

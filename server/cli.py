@@ -94,13 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "beyond it (default: 4GiB)")
     spec = serve.add_argument_group(
         "speculative decoding",
-        "A decoding row proposes tokens by prompt lookup (an n-gram of its prompt and output seen before) and "
-        "verifies them in one forward: greedy output is the same, sampled output keeps the model's distribution. "
-        "Pays off for one or a few streams that repeat their input (code edits, quoting a document); rows whose "
-        "drafts keep being rejected stop proposing, and wide batches do not speculate. A request opts out with "
-        "\"speculative\": false.")
-    spec.add_argument("--speculative", choices=("ngram",), default=None,
-                      help="speculate by prompt lookup (default: off)")
+        "A decoding row proposes tokens, by prompt lookup (an n-gram of its prompt and output seen before) or "
+        "from a smaller draft model with the same tokenizer, and verifies them in one forward: greedy output is "
+        "the same, sampled output keeps the model's distribution. Prompt lookup pays off for one or a few streams "
+        "that repeat their input (code edits, quoting a document); a draft model wherever it agrees with the "
+        "model often and costs much less a token. Rows whose drafts keep being rejected stop proposing, and wide "
+        "batches do not speculate. A request opts out with \"speculative\": false.")
+    spec.add_argument("--speculative", choices=("ngram", "draft"), default=None,
+                      help="speculate by prompt lookup (ngram) or with --draft-model (draft) (default: off)")
+    spec.add_argument("--draft-model", default=None, metavar="PATH",
+                      help="the draft model for --speculative draft: a local mlx-lm model folder with the "
+                           "model's tokenizer (checked at start-up)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                       help="most drafted tokens a row verifies in one step (default: %(default)s)")
     spec.add_argument("--speculative-ngram-min", type=int, default=2, metavar="N",
@@ -301,13 +305,21 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
 
 def _spec_config(args: argparse.Namespace):  # -> engine.speculator.SpecConfig | None
     if args.speculative is None:
+        if args.draft_model is not None:
+            raise SystemExit("kvarn serve: --draft-model needs --speculative draft")
         return None
     from engine.speculator import SpecConfig
 
     try:
-        return SpecConfig(args.speculative, args.num_speculative_tokens, args.speculative_ngram_min,
-                          args.speculative_ngram_max, args.speculative_max_batch)
-    except ValueError as exc:
+        config = SpecConfig(args.speculative, args.num_speculative_tokens, args.speculative_ngram_min,
+                            args.speculative_ngram_max, args.speculative_max_batch, args.draft_model)
+        if config.method == "draft":  # refused here, before either model loads
+            from engine.draft_model import check_draft_folder
+            from engine.loader import BUNDLED_MODEL_DIR
+
+            check_draft_folder(args.model or BUNDLED_MODEL_DIR, config.draft_model)
+        return config
+    except (ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"kvarn serve: {exc}") from None
 
 

@@ -26,22 +26,25 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-@pytest.mark.parametrize("draft", ["close", "far", "one-hot"])
+@pytest.mark.parametrize("draft", ["close", "far", "one-hot", "close-filtered"])
 def test_rejection_sampling_keeps_the_target_distribution_of_two_tokens(draft):
     """k = 2 drafts drawn from q, verified against p: the first kept token follows p_0 and the
     pair (first, second) follows p_0(a) p_1(b | a accepted or not, the target's own next
-    distribution), here independent of a by construction, so the pair follows p_0 x p_1."""
-    rng = np.random.default_rng({"close": 1, "far": 2, "one-hot": 3}[draft])
+    distribution), here independent of a by construction, so the pair follows p_0 x p_1.
+    ``close-filtered``: the target's log-probabilities come as a filter leaves them (the
+    filtered-out mass missing, not renormalized)."""
+    rng = np.random.default_rng({"close": 1, "far": 2, "one-hot": 3, "close-filtered": 5}[draft])
     p = rng.dirichlet(np.ones(V), size=3)  # target at positions 0, 1, 2
     p[1, 4] = 0.0  # a token the target never takes at position 1
     p[1] /= p[1].sum()
-    if draft == "close":
+    if draft.startswith("close"):
         q = 0.7 * p[:2] + 0.3 * rng.dirichlet(np.ones(V), size=2)
     elif draft == "far":
         q = rng.dirichlet(np.ones(V) * 0.3, size=2)
     else:
         q = np.eye(V)[[2, 3]]
-    logp = mx.array(np.log(np.maximum(p, 1e-30)).astype(np.float32))
+    unnormalized = p * (0.8 if draft == "close-filtered" else 1.0)
+    logp = mx.array(np.log(np.maximum(unnormalized, 1e-30)).astype(np.float32))
     q_mx = mx.array(q.astype(np.float32))
     pairs = np.zeros((V, V))
     base = mx.random.key(7)

@@ -46,6 +46,9 @@ class Replay:
                 out[ask.request.request_id] = Draft(tuple(tokens))
         return out
 
+    def feedback(self, request_id: RequestId, num_accepted: int) -> None:
+        pass
+
     def forget(self, request_id: RequestId) -> None:
         pass
 
