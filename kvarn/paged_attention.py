@@ -152,8 +152,8 @@ def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, lay
 
 def _softmax(scores: mx.array) -> mx.array:
     """Softmax along the last axis; on the CPU through ``kvarn.cpu_attention``'s vectorized exp
-    (MLX's CPU ``exp`` is a scalar call an element: a step's softmax over 3,000 tokens a layer
-    was a seventh of a step's attention over 3,000 tokens a row, a fifth at 16 rows of 1,024)."""
+    (MLX's CPU ``exp`` is a scalar call an element: its softmax took a seventh of a layer's decode
+    attention over one 3,000-token row, a fifth over 16 rows of 1,024)."""
     if mx.default_device() != mx.cpu:
         return mx.softmax(scores, axis=-1)
     weights = cpu_attention.softmax_weights(scores)
