@@ -1,19 +1,24 @@
-"""Speculative decoding over HTTP: ``kvarn serve --speculative ngram`` answers greedy requests
-with the same text as a server without it (streamed and not), reports what is in force on
-``/health`` and ``/v1/models`` with its acceptance, counts drafts in ``/metrics``, honours a
-request's ``"speculative": false``, and refuses bad flags and fields clearly."""
+"""Speculative decoding over HTTP: ``kvarn serve --speculative ngram`` and ``--speculative draft``
+(a copy of the bundled model keeping 2 of its layers as the draft) answer greedy requests with the
+same text as a server without it (streamed and not), report what is in force on ``/health`` and
+``/v1/models`` with its acceptance, count drafts in ``/metrics``, honour a request's
+``"speculative": false``, and refuse bad flags, a draft model with another vocabulary and bad
+fields clearly."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import REPO_ROOT, Server, chat_body, client_of, metric, post_json, served, stream_json, \
-    wait_idle
+from tests.server.conftest import MODEL_DIR, REPO_ROOT, Server, chat_body, client_of, metric, post_json, served, \
+    stream_json, wait_idle
 
 REPEATING = "Repeat after me ten times: the quick brown fox jumps over the lazy dog. " * 3
 
@@ -27,6 +32,20 @@ def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def spec_http(spec_server: Server) -> Iterator[httpx.Client]:
     with client_of(spec_server) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.draft_model import write_layer_subset
+
+    return write_layer_subset(MODEL_DIR, tmp_path_factory.mktemp("draft") / "draft-2l", (0, 6))
+
+
+@pytest.fixture(scope="module")
+def draft_http(tmp_path_factory: pytest.TempPathFactory, draft_dir: Path) -> Iterator[httpx.Client]:
+    with served(tmp_path_factory, "speculative-draft", "--speculative", "draft", "--draft-model", str(draft_dir),
+                "--num-speculative-tokens", "3") as srv, client_of(srv) as client:
         yield client
 
 
@@ -54,6 +73,24 @@ def test_greedy_text_equals_the_server_without_speculation(spec_http, http):
     assert http.get("/health").json()["speculative"] is None
 
 
+def test_a_draft_model_server_answers_as_the_server_without_speculation(draft_http, http):
+    body = chat_body("Write a story about a cat who sleeps all day.", max_tokens=40, ignore_eos=True)
+    want = post_json(http, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+    assert post_json(draft_http, "/v1/chat/completions", body)["choices"][0]["message"]["content"] == want
+    streamed = stream_json(draft_http, "/v1/chat/completions", {**body, "stream": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed if c["choices"]) == want
+    wait_idle(draft_http)
+    drafted = metric(draft_http, "kvarn_spec_decode_draft_tokens_total")
+    accepted = metric(draft_http, "kvarn_spec_decode_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted  # this 2-layer draft rarely agrees; rows then pause
+    health = draft_http.get("/health").json()["speculative"]
+    assert health["method"] == "draft" and health["draft_model"] == "draft-2l"
+    assert health["num_speculative_tokens"] == 3 and "ngram_max" not in health
+    assert (health["draft_tokens"], health["accepted_tokens"]) == (drafted, accepted)
+    card = draft_http.get("/v1/models").json()["data"][0]["speculative"]
+    assert card == {"method": "draft", "num_speculative_tokens": 3, "max_batch": 8, "draft_model": "draft-2l"}
+
+
 def test_a_request_opts_out(spec_http, http):
     body = chat_body(REPEATING, max_tokens=48, ignore_eos=True, speculative=False)
     wait_idle(spec_http)
@@ -78,3 +115,22 @@ def test_bad_flags_stop_the_server_before_it_loads(flags, message):
     result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--speculative", "ngram", *flags],
                             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert result.returncode != 0 and message in result.stderr
+
+
+def test_draft_flags_and_a_draft_with_another_vocabulary_stop_the_server_before_it_loads(draft_dir, tmp_path):
+    other = tmp_path / "other-vocab"
+    shutil.copytree(draft_dir, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    a, b = (token for token, i in vocab.items() if i in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for flags, message in [
+        (("--speculative", "draft"), "the draft method needs a draft model (--draft-model PATH)"),
+        (("--draft-model", str(draft_dir)), "--draft-model needs --speculative draft"),
+        (("--speculative", "draft", "--draft-model", str(tmp_path / "none")), "is not a model folder"),
+        (("--speculative", "draft", "--draft-model", str(other)), "the draft model's tokenizer differs"),
+    ]:
+        result = subprocess.run([sys.executable, "-m", "server.cli", "serve", *flags], capture_output=True,
+                                text=True, timeout=60, cwd=REPO_ROOT)
+        assert result.returncode != 0 and message in result.stderr, (flags, result.stderr[-500:])
