@@ -1,13 +1,15 @@
 """Speculative decoding over HTTP, side by side in one run: no speculation, prompt lookup
-(``--speculative ngram``) and the verify path's ceiling (an oracle proposer replaying the greedy
-continuation recorded first: bench/spec_oracle_server.py), on the bundled model.
+(``--speculative ngram``), the verify path's ceiling (an oracle proposer replaying the greedy
+continuation recorded first: bench/spec_oracle_server.py) and a draft model (``--speculative
+draft``: a copy of the bundled model keeping 2 of its 8 layers, written to a temp folder), on the
+bundled model.
 
-    python bench/speculative.py [--json-out bench/results/speculative-cpu.json]
+    python bench/speculative.py [--json-out bench/results/speculative-cpu.json] [--scenarios c=1,c=4]
 
 First the greedy continuations of every prompt are recorded in this process (the engine, no
-speculation, the server's default layout); then three servers run (``--no-apc``, so no arm
-reuses another round's prompt) and each scenario's rounds send the same requests to each arm in
-turn (the arm order rotates by round). Per arm: generated tokens / wall time, median over the
+speculation, the server's default layout) and the draft is written; then four servers run
+(``--no-apc``, so no arm reuses another round's prompt) and each scenario's rounds send the same
+requests to each arm in turn (the arm order rotates by round). Per arm: generated tokens / wall time, median over the
 rounds, its ratio to no speculation, and the acceptance over the scenario (drafted and accepted
 tokens from ``/health``). Scenarios:
 
@@ -63,7 +65,8 @@ SCENARIOS = [
     Scenario("wide, c=16", 16, WIDE[:48], 16, 64, True),
     Scenario("wide, c=64", 64, WIDE * 3, 64, 32, True),
 ]
-ARMS = ("off", "ngram", "oracle")
+ARMS = ("off", "ngram", "oracle", "draft")
+DRAFT_LAYERS = (0, 6)  # the bundled model's first and next-to-last layers (closest of the pairs tried)
 LD_PRELOAD = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
@@ -94,13 +97,17 @@ def record(path: Path) -> None:
     path.write_text(json.dumps([{"prompt": r.prompt_ids, "output": r.output_ids} for r in requests]))
 
 
-def start(arm: str, port: int, book: Path, log: Path) -> subprocess.Popen:
+def start(arm: str, port: int, tmp: Path, log: Path) -> subprocess.Popen:
     flags = ["serve", "--port", str(port), "--no-apc", "--max-num-seqs", "64"]
     if arm == "off":
         cmd = [sys.executable, "-m", "server.cli", *flags]
     elif arm == "ngram":
         cmd = [sys.executable, "-m", "server.cli", *flags, "--speculative", "ngram"]
+    elif arm == "draft":
+        cmd = [sys.executable, "-m", "server.cli", *flags, "--speculative", "draft",
+               "--draft-model", str(tmp / "draft")]
     else:
+        book = tmp / "book.json"
         cmd = [sys.executable, str(ROOT / "bench" / "spec_oracle_server.py"), str(book), *flags,
                "--speculative", "ngram"]
     env = {**os.environ, "LD_PRELOAD": LD_PRELOAD, "PYTHONUNBUFFERED": "1"}
@@ -146,23 +153,31 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json-out", default=str(ROOT / "bench" / "results" / "speculative-cpu.json"))
     parser.add_argument("--base-port", type=int, default=18740)
+    parser.add_argument("--scenarios", default=None, metavar="TAGS",
+                        help="only the scenarios whose name ends with one of these comma-separated tags "
+                             "(e.g. c=1,c=4; default: all)")
     args = parser.parse_args()
+    tags = tuple(t.strip() for t in args.scenarios.split(",")) if args.scenarios else None
+    scenarios = [s for s in SCENARIOS if tags is None or s.name.endswith(tags)]
     tmp = Path(tempfile.mkdtemp(prefix="kvarn-spec-"))
-    book = tmp / "book.json"
-    record(book)
+    record(tmp / "book.json")
+    from engine.draft_model import write_layer_subset
+    from engine.loader import BUNDLED_MODEL_DIR
+
+    write_layer_subset(BUNDLED_MODEL_DIR, tmp / "draft", DRAFT_LAYERS)
     urls = {arm: f"http://127.0.0.1:{args.base_port + i}" for i, arm in enumerate(ARMS)}
-    procs = {arm: start(arm, args.base_port + i, book, tmp / f"{arm}.log") for i, arm in enumerate(ARMS)}
+    procs = {arm: start(arm, args.base_port + i, tmp, tmp / f"{arm}.log") for i, arm in enumerate(ARMS)}
     results = []
     try:
         for arm, proc in procs.items():
             wait_ready(urls[arm], proc)
-        for s in SCENARIOS:
+        for s in scenarios:
             rounds = len(s.prompts) // s.per_round
             rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
             before = {arm: acceptance(urls[arm]) for arm in ARMS}
             for r in range(rounds):
                 prompts = s.prompts[r * s.per_round: (r + 1) * s.per_round]
-                for arm in ARMS[r % 3:] + ARMS[: r % 3]:  # the order rotates by round
+                for arm in ARMS[r % len(ARMS):] + ARMS[: r % len(ARMS)]:  # the order rotates by round
                     tokens, wall = asyncio.run(run_round(urls[arm], s, prompts))
                     rates[arm].append(tokens / wall)
             row = {"scenario": s.name, "concurrency": s.concurrency, "max_tokens": s.max_tokens, "rounds": rounds,
@@ -181,13 +196,14 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
     out = {"device": "CPU (MLX CPU backend, OpenBLAS), 2 cores shared", "model": "fixture-chat-29m-q8",
-           "kv_layout": "kvarn k4v2 (default)", "num_speculative_tokens": 4, "results": results}
+           "kv_layout": "kvarn k4v2 (default)", "num_speculative_tokens": 4,
+           "draft_model": f"fixture-chat-29m-q8, layers {DRAFT_LAYERS} of 8", "results": results}
     Path(args.json_out).write_text(json.dumps(out, indent=1) + "\n")
-    print("| scenario | off tok/s | ngram tok/s (x, acceptance) | oracle tok/s (x, acceptance) |")
-    print("|---|---|---|---|")
+    print("| scenario | off tok/s | " + " | ".join(f"{a} tok/s (x, acceptance)" for a in ARMS[1:]) + " |")
+    print("|---" * len(ARMS) + "|")
     for row in results:
-        cells = [f"{row[a]['tok_s']} ({row[a]['vs_off']}x, {row[a]['acceptance']})" for a in ("ngram", "oracle")]
-        print(f"| {row['scenario']} | {row['off']['tok_s']} | {cells[0]} | {cells[1]} |")
+        cells = [f"{row[a]['tok_s']} ({row[a]['vs_off']}x, {row[a]['acceptance']})" for a in ARMS[1:]]
+        print(f"| {row['scenario']} | {row['off']['tok_s']} | " + " | ".join(cells) + " |")
     return 0
 
 

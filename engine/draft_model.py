@@ -122,10 +122,6 @@ class DraftProposer:
         self.forward = Forward(draft.model)
         self.rows: dict[RequestId, DraftRow] = {}
 
-    @property
-    def model_id(self) -> str:
-        return self.draft.model_id
-
     def propose(self, asks: Sequence[Ask]) -> dict[RequestId, Draft]:
         rows = [self._caught_up(ask.request) for ask in asks]
         steps = max(ask.k for ask in asks)
@@ -183,7 +179,7 @@ class DraftProposer:
                            make_sampler_state(request.params, self.draft.vocab_size))
             self.rows[request.request_id] = row
         tokens = request.prompt_ids + request.output_ids
-        row.trim_to(_common_prefix(row.tokens, tokens))  # drafts never verified (the row ended its step)
+        row.trim_to(_common_prefix(row.tokens, tokens))  # drafts whose verify never reported back
         pending = tokens[len(row.tokens): -1]
         for start in range(0, len(pending), CATCH_UP_CHUNK):
             chunk = pending[start: start + CATCH_UP_CHUNK]
