@@ -31,7 +31,9 @@ model -> argmax -> eval -> tolist, exactly B rows, timed alone (``-async``: mode
 async_eval, then the previous step's tolist, as ``mlx_lm.generate_step`` pipelines its steps).
 An engine arm named ``<arm>-async`` (or every arm with ``--async-scheduling``) runs with
 ``SchedulerConfig.async_scheduling``; one named ``<arm>-solo`` runs each prompt chunk in its own
-forward (``SchedulerConfig.batch_prefill`` False; by default a step's chunks run together).
+forward (``SchedulerConfig.batch_prefill`` False; by default a step's chunks run together); one
+named ``<arm>-eager`` builds the decode forward in Python at every step (``compile_decode`` False;
+by default it is replayed from a graph compiled per shape bucket).
 
 Figures (JSON ``cells[]``, seconds unless named otherwise):
   decode_tok_per_s   = level / median wall time of the ordinary decode steps at that level; an
@@ -109,14 +111,15 @@ def elapsed() -> float:
     return time.perf_counter() - START
 
 
-def arm_flags(arm: str) -> tuple[str, bool, bool]:
-    """An engine arm's KV arm and its suffixes, in any order: (base, ``-async``, ``-solo``)."""
+def arm_flags(arm: str) -> tuple[str, bool, bool, bool]:
+    """An engine arm's KV arm and its suffixes, in any order: (base, ``-async``, ``-solo``,
+    ``-eager``: the decode forward built in Python at every step, ``--enforce-eager``)."""
     base, flags = arm, set()
-    while base.endswith(("-async", "-solo")):
-        flag = "-async" if base.endswith("-async") else "-solo"
+    while base.endswith(("-async", "-solo", "-eager")):
+        flag = next(f for f in ("-async", "-solo", "-eager") if base.endswith(f))
         flags.add(flag)
         base = base.removesuffix(flag)
-    return base, "-async" in flags, "-solo" in flags
+    return base, "-async" in flags, "-solo" in flags, "-eager" in flags
 
 
 def arm_config(name: str) -> KVConfig:
@@ -170,7 +173,10 @@ class Recorder:
         self.calls += 1
         if self.keep:
             self.keep = False
-            self.graph = count_nodes([out])
+            try:
+                self.graph = count_nodes([out])
+            except Exception:  # noqa: BLE001 (a compiled step's trace: its values cannot be exported)
+                self.graph = None
         return out
 
 
@@ -289,7 +295,7 @@ def decode_estimate(step1: float, levels: list[int], steps: int, warm: int) -> f
 
 
 def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], args, save) -> dict:
-    base, is_async, solo = arm_flags(arm)
+    base, is_async, solo, eager = arm_flags(arm)
     kv = arm_config(base)
     async_scheduling = args.async_scheduling or is_async
     batch_prefill = not solo
@@ -302,7 +308,7 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
                              "levels": list(levels), "commit_step_expected": commit_k, "max_tokens": max_tokens}
     cfg = SchedulerConfig(max_num_seqs=C, max_num_batched_tokens=C * args.chunk + C, prefill_chunk_size=args.chunk,
                           kv_budget_bytes=int(args.kv_budget_gb * 1e9), async_scheduling=async_scheduling,
-                          batch_prefill=batch_prefill)
+                          batch_prefill=batch_prefill, compile_decode=not eager)
     entry["async_scheduling"] = async_scheduling
     entry["batch_prefill"] = batch_prefill
     t0 = time.perf_counter()

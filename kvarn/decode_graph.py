@@ -21,8 +21,10 @@ slice, which its own row rewrites before reading) and attend one valid position;
 commit quantizes the pad window into the pad block (id 0, never read unmasked). Their outputs
 are never read.
 
-Not every step can be planned this way: where a fused kernel attends (it plans its launch from
-host integers: ``metal.KERNELS``), the batch's rows run through their caches' own
+Where the fused paged decode kernel attends (``metal.KERNELS``), the plan also holds its launch
+plan at a fixed size (``metal.paged_plan.static_plan``: the same number of work items for every
+row, from the shapes alone), so the kernel runs inside the compiled graph. Slot rows under the
+fused ragged kernel (it plans from host integers) run through their caches' own
 ``update_and_fetch``/``attend`` (``plan_decode`` returns None).
 """
 
@@ -39,6 +41,9 @@ from kvarn.paged_attention import decode_attention_over, fused_attention
 from kvarn.paged_step import advance, place_windows, plan_step, rounded
 from kvarn.pool import PAD, RECORD_FIELDS, LayerArrays, quantize_window_tails
 from kvarn.slot_attention import attends_per_row, fused_decode_available
+from metal import KERNELS
+from metal.paged_plan import DecodePlan as KernelPlan
+from metal.paged_plan import static_plan, static_splits
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 COMMIT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -95,9 +100,10 @@ def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] |
     token and its drafts, all inside its tile: ``PagedRow.verify_room``; a windowed row writes one)."""
     views0 = batches[0].rows
     pool, layout = views0[0].row.pool, views0[0].layout
-    if fused_attention():
-        return None
+    fused = fused_attention()  # the fused kernel attends: its launch plan is made here, of a fixed size
     counts = list(counts) if counts is not None else [1] * len(views0)
+    if fused and max(counts) > 1:
+        return None  # the kernel attends one position a row: verifies run in a chunk forward
     if any(n > 1 and (v.row.max_kv_size is not None or v.row.verify_room() < n) for v, n in zip(views0, counts)):
         raise ValueError("a row writes several tokens in a decode step only inside its tile, unwindowed")
     place_windows([v.row for v in views0])
@@ -159,8 +165,14 @@ def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] |
     if Cp:
         inputs["commit_slots"] = mx.array(commit_slots, dtype=i32)
         inputs["commit_ids"] = mx.array(commit_ids, dtype=i32)
+    splits = 0
+    if fused:  # every row's sink, records and tail in ``splits`` work items (``metal.paged_plan.static_plan``)
+        splits = static_splits(Bp, nbp, heads[0][0])
+        sink_len = list(L.sink_len) + [1] * extra
+        tail_len = list(L.tail_len) + [0] * extra
+        inputs["work"], inputs["row_work"], inputs["rows"] = static_plan(slots, sink_len, tail_len, num_tiles, splits)
     state = [x for l in layers for x in _paged_state(pool.layers[l])]
-    static = ("paged", layout, heads, Bp, nbp, Cp, slice_lo, T)
+    static = ("paged", layout, heads, Bp, nbp, Cp, slice_lo, T, splits)
 
     def finish(arrays: list[mx.array]) -> None:
         k = 0
@@ -187,7 +199,7 @@ def _paged_state(a: LayerArrays) -> list[mx.array]:
 
 
 def _paged_caches(static: tuple, inputs: dict[str, mx.array], state: list[mx.array]) -> list[Any]:
-    _, layout, heads, Bp, nbp, Cp, slice_lo, T = static
+    _, layout, heads, Bp, nbp, Cp, slice_lo, T, splits = static
     width = 2 + len(RECORD_FIELDS)
     return [PagedStepLayer(layout, state[i * width: (i + 1) * width], inputs, static)
             for i in range(len(heads))]
@@ -232,8 +244,12 @@ class PagedStepLayer:
                sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
         if sinks is not None:
             raise ValueError("KVarN attention does not support attention sinks")
-        _, _, _, Bp, nbp, _, slice_lo, T = self.static
+        _, _, _, Bp, nbp, _, slice_lo, T, splits = self.static
         G = self.layout.tile_size
+        if splits:
+            out = self._fused(queries, scale, Bp * splits)
+            if out is not None:
+                return out
         windows = (slice_lo, slice_lo + Bp) if slice_lo is not None else self.inputs["windows"]
         B, n_q, _, D = queries.shape
         mask = self.inputs["mask"]
@@ -243,6 +259,20 @@ class PagedStepLayer:
         out = decode_attention_over(queries, self.a, self.layout, scale, windows=windows, win_len=2 * G,
                                     table=self.inputs.get("table"), mask=mask)
         return out.reshape(B, n_q, T, D)
+
+    def _fused(self, queries: mx.array, scale: float, num_items: int) -> mx.array | None:
+        """The fused decode kernel over the pool in place, with the plan's fixed-size launch plan;
+        None where it has no template for this shape (the reference path runs)."""
+        a, layout = self.a, self.layout
+        H, D = a.win_k.shape[1], a.win_k.shape[3]
+        kernel = KERNELS.paged_decode(head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
+                                      value_bits=layout.value_bits, n_rep=queries.shape[1] // H)
+        if kernel is None or a.win_k.dtype != mx.float16 or queries.dtype == mx.float32:
+            return None
+        plan = KernelPlan(work=self.inputs["work"], row_work=self.inputs["row_work"], rows=self.inputs["rows"],
+                          num_items=num_items)
+        return kernel(queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v, table=self.inputs.get("table"),
+                      lengths=None, scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, plan=plan)
 
     def arrays(self) -> list[mx.array]:
         return [self.a.win_k, self.a.win_v, *(self.a.records[name] for name in RECORD_FIELDS)]

@@ -97,3 +97,35 @@ def make_plan(slots: Sequence[int], sink_len: Sequence[int], tail_len: Sequence[
     return DecodePlan(work=mx.array(work, dtype=i32).reshape(-1, 3), row_work=mx.array(row_work, dtype=i32),
                       rows=mx.array(list(zip(slots, sink_len, tail_len, num_tiles)), dtype=i32).reshape(-1, 4),
                       num_items=len(work))
+
+
+def static_splits(rows: int, table_width: int, n_kv_heads: int, num_sms: int | None = None) -> int:
+    """Work items a row for a step whose shapes are fixed ahead (a compiled decode step: ``rows``
+    rows padded to a bucket, block tables ``table_width`` wide), decided from those shapes only:
+    one a row where rows x KV heads fill a wave or rows have at most SINGLE_MAX_TILES tiles (as
+    ``plan_splits``), else enough for about a wave of blocks, at most a row's widest tile count."""
+    num_sms = planning_sms(num_sms)
+    tiles = table_width + 2  # the sink, the records, the tail
+    if rows * n_kv_heads >= BLOCKS_PER_SM * num_sms or tiles <= SINGLE_MAX_TILES:
+        return 1
+    return max(1, min(tiles, (BLOCKS_PER_SM * num_sms // max(1, n_kv_heads)) // max(1, rows)))
+
+
+def static_plan(slots: Sequence[int], sink_len: Sequence[int], tail_len: Sequence[int],
+                num_tiles: Sequence[int], splits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(work, row_work, rows) arrays of a plan with exactly ``splits`` work items a row (some may be
+    empty: a row with fewer tiles than splits; an empty item's partial has no weight in the
+    combine), so the launch's grid depends on the shapes only and a compiled step replays it."""
+    work, row_work = [], [0]
+    for b, (n, t) in enumerate(zip(num_tiles, tail_len)):
+        count = 1 + n + (t > 0)
+        used = min(splits, count)
+        edges = [count * i // used for i in range(used + 1)]
+        work.extend((b, lo, hi) for lo, hi in zip(edges, edges[1:]))
+        # an empty item is (b, 1, 1): the kernels take the sink with any item starting at tile 0 and
+        # the tail with any item ending at the last tile, so an empty one must do neither
+        work.extend((b, 1, 1) for _ in range(splits - used))
+        row_work.append(row_work[-1] + splits)
+    i32 = mx.int32
+    return (mx.array(work, dtype=i32).reshape(-1, 3), mx.array(row_work, dtype=i32),
+            mx.array(list(zip(slots, sink_len, tail_len, num_tiles)), dtype=i32).reshape(-1, 4))

@@ -188,15 +188,17 @@ def paged_decode_attention(*, queries: mx.array, records: dict[str, mx.array], w
     ``records``: one layer's record fields (``kvarn/pool.py`` shapes, block-major), ``win_k``/
     ``win_v`` [Nw, H, 2G, D]; ``table`` [B, nb] (pad-filled; None if no row has records);
     ``lengths``: per-row window slot, sink and tail lengths and record counts (host ints).
-    ``plan``: the step's split plan (``metal.paged_plan.make_plan``; built here when not given);
+    ``plan``: the step's split plan (``metal.paged_plan.make_plan``; built here when not given;
+    a compiled step passes one of fixed size, ``static_plan``, and no ``lengths``);
     ``variant``: which body (the tensor-core one where it has the shape, else the scalar one) and
     its knobs."""
     B, n_q, _, D = queries.shape
     H = win_k.shape[1]
     if plan is None:
         plan = make_plan(lengths.slots, lengths.sink_len, lengths.tail_len, lengths.num_tiles, H)
-    if plan.num_items == B and not mma_stages(variant, head_dim=D, tile_size=win_k.shape[2] // 2, key_bits=key_bits,
-                                              value_bits=value_bits, n_rep=n_q // H):
+    if lengths is not None and plan.num_items == B and not mma_stages(
+            variant, head_dim=D, tile_size=win_k.shape[2] // 2, key_bits=key_bits, value_bits=value_bits,
+            n_rep=n_q // H):  # (a plan made ahead, ``lengths`` None, runs as it is: a compiled step's)
         if "scalar" not in plan.memo:  # the scalar body wants its rows split (the step's layers share this)
             L = lengths
             plan.memo["scalar"] = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H,

@@ -13,7 +13,8 @@ import pytest
 from metal import KERNELS
 from metal.cuda.paged_decode import MAX_SHARED, Variant, mma_stages, paged_decode_attention
 from metal.cuda.paged_decode_mma import mma_shared_bytes, mma_supported
-from metal.paged_plan import RowLengths, make_plan, plan_splits
+from metal.paged_plan import DecodePlan as KernelPlan
+from metal.paged_plan import RowLengths, make_plan, plan_splits, static_plan, static_splits
 from metal.reference import reference_paged_decode_attention
 from metal.selector import Kernels, cuda_backend
 from tests.metal import cuda_emulator
@@ -213,6 +214,54 @@ def test_emulated_single_launch_matches_float64():
     want = numpy_attention(case)
     for b in range(3):
         assert max_rel_error(got[b], want[b]) < TOL
+
+
+def _static(case, splits: int) -> KernelPlan:
+    L = case.lengths
+    work, row_work, rows = static_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, splits)
+    return KernelPlan(work=work, row_work=row_work, rows=rows, num_items=len(L.slots) * splits)
+
+
+def test_static_plan_gives_every_row_the_same_items_covering_its_tiles_once():
+    case = make_case([1, 130, 5 * 128 + 9], n_kv_heads=2, n_rep=2, head_dim=128, tile_size=128, key_bits=4,
+                     value_bits=2)
+    L = case.lengths
+    for splits in (1, 3, 8):
+        work, row_work, rows = static_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, splits)
+        assert row_work.tolist() == [b * splits for b in range(4)]
+        assert rows.tolist() == [list(r) for r in zip(L.slots, L.sink_len, L.tail_len, L.num_tiles)]
+        for b, (n, t) in enumerate(zip(L.num_tiles, L.tail_len)):
+            items = [tuple(w) for w in work.tolist()[b * splits: (b + 1) * splits]]
+            assert all(i[0] == b for i in items)
+            covered = [k for _, lo, hi in items for k in range(lo, hi)]
+            assert covered == list(range(1 + n + (t > 0)))  # each tile once, in order (some items empty)
+            # an empty item neither starts at the sink (tile 0) nor ends at a row's tail tile
+            assert all(lo > 0 and (hi < 1 + n + 1 or t == 0) for _, lo, hi in items if lo == hi)
+    assert static_splits(1, 4, 8, num_sms=SMS) == 1  # short rows: one item a row
+    assert static_splits(64, 200, 8, num_sms=SMS) == 1  # a wave of rows already
+    assert 1 < static_splits(1, 200, 8, num_sms=SMS) <= 202
+
+
+@pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
+@pytest.mark.parametrize("splits", [1, 4])
+def test_emulated_kernel_with_a_static_plan_and_empty_items_matches_float64(splits):
+    """A plan of fixed size (a compiled step's): rows shorter than its items leave some empty."""
+    case = make_case([1, 130, 5 * 128 + 9], n_kv_heads=1, n_rep=4, head_dim=128, tile_size=128, key_bits=4,
+                     value_bits=2, seed=4)
+    got = cuda_emulator.emulated_paged_decode_attention(plan=_static(case, splits), **case.kwargs())
+    want = numpy_attention(case)
+    for b in range(3):
+        assert max_rel_error(got[b], want[b]) < TOL
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_with_a_static_plan_matches_reference(splits):
+    case = make_case(ragged(128), n_kv_heads=2, n_rep=4, head_dim=128, tile_size=128, key_bits=4, value_bits=2)
+    kw = case.kwargs()
+    got = paged_decode_attention(**{**kw, "lengths": None}, plan=_static(case, splits))
+    want = reference_paged_decode_attention(**kw)
+    assert max_rel_error(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))) < TOL
 
 
 @pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
