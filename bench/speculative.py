@@ -200,7 +200,7 @@ def main() -> int:
            "draft_model": f"fixture-chat-29m-q8, layers {DRAFT_LAYERS} of 8", "results": results}
     Path(args.json_out).write_text(json.dumps(out, indent=1) + "\n")
     print("| scenario | off tok/s | " + " | ".join(f"{a} tok/s (x, acceptance)" for a in ARMS[1:]) + " |")
-    print("|---" * len(ARMS) + "|")
+    print("|---" * (len(ARMS) + 1) + "|")
     for row in results:
         cells = [f"{row[a]['tok_s']} ({row[a]['vs_off']}x, {row[a]['acceptance']})" for a in ARMS[1:]]
         print(f"| {row['scenario']} | {row['off']['tok_s']} | " + " | ".join(cells) + " |")
