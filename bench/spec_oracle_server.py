@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine.engine as engine_module  # noqa: E402
 from engine.proposers import Ask, Draft  # noqa: E402
 from engine.request import RequestId  # noqa: E402
 
@@ -49,10 +49,15 @@ class ReplayProposer:
 
 def main() -> int:
     book = {tuple(e["prompt"]): e["output"] for e in json.loads(Path(sys.argv[1]).read_text())}
-    engine_module.make_proposer = lambda config, target=None: ReplayProposer(book)
     from server.cli import main as cli
 
-    return cli(sys.argv[2:])
+    def with_oracle(config):  # the server's config, its speculation proposing from the book
+        if config.engine.speculative is None:
+            raise SystemExit("the oracle server needs --speculative ngram (its proposer is replaced)")
+        spec = replace(config.engine.speculative, proposer=ReplayProposer(book))
+        return replace(config, engine=replace(config.engine, speculative=spec))
+
+    return cli(sys.argv[2:], adjust=with_oracle)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ class DraftRow:
     once ``feedback`` trimmed the rejected drafts), where its last drafts started, its seed and
     its sampling (the logit bias of ``params``)."""
 
-    cache: list[Any]
+    layers: list[Any]  # the draft model's cache, one per layer
     seed: int
     sampler: SamplerState
     tokens: list[int] = field(default_factory=list)
@@ -101,7 +101,7 @@ class DraftRow:
     def trim_to(self, n: int) -> None:
         extra = len(self.tokens) - n
         if extra > 0:
-            for layer in self.cache:
+            for layer in self.layers:
                 layer.trim(extra)
             del self.tokens[n:]
 
@@ -125,8 +125,8 @@ class DraftProposer:
     def propose(self, asks: Sequence[Ask]) -> dict[RequestId, Draft]:
         rows = [self._caught_up(ask.request) for ask in asks]
         steps = max(ask.k for ask in asks)
-        cache = rows[0].cache if len(rows) == 1 else [BatchKVCache.merge([r.cache[i] for r in rows])
-                                                      for i in range(len(rows[0].cache))]
+        cache = rows[0].layers if len(rows) == 1 else [BatchKVCache.merge([r.layers[i] for r in rows])
+                                                       for i in range(len(rows[0].layers))]
         last = [ask.request.output_ids[-1] for ask in asks]
         inputs = mx.array(last, dtype=mx.int32)[:, None]
         picks, probs = [], []
@@ -140,7 +140,7 @@ class DraftProposer:
         mx.eval(drafted, [q for qs in probs for q in qs if q is not None])
         if len(rows) > 1:
             for b, row in enumerate(rows):
-                row.cache = [layer.extract(b) for layer in cache]
+                row.layers = [layer.extract(b) for layer in cache]
         out = {}
         for b, (ask, row, tokens) in enumerate(zip(asks, rows, drafted.tolist())):
             row.drafted_at = len(row.tokens) + 1  # the row's tokens: what the cache held, then its last
@@ -183,8 +183,8 @@ class DraftProposer:
         pending = tokens[len(row.tokens): -1]
         for start in range(0, len(pending), CATCH_UP_CHUNK):
             chunk = pending[start: start + CATCH_UP_CHUNK]
-            self.forward.hidden(mx.array([chunk], dtype=mx.int32), row.cache)
-            mx.eval([c.state for c in row.cache])
+            self.forward.hidden(mx.array([chunk], dtype=mx.int32), row.layers)
+            mx.eval([c.state for c in row.layers])
             row.tokens += chunk
         return row
 

@@ -43,6 +43,7 @@ class SpecConfig:
     ngram_max: int = 4
     max_batch: int = 8
     draft_model: str | None = None
+    proposer: Any = None  # a ``Proposer`` of the embedding code's own (None: the method's)
     min_acceptance: float = 0.3
     min_verifies: int = 4
     backoff: int = 16
@@ -61,7 +62,8 @@ class SpecConfig:
     def describe(self) -> dict[str, object]:
         own = ({"ngram_min": self.ngram_min, "ngram_max": self.ngram_max} if self.method == "ngram"
                else {"draft_model": Path(self.draft_model).name})
-        return {"method": self.method, "num_speculative_tokens": self.num_tokens, "max_batch": self.max_batch, **own}
+        method = self.method if self.proposer is None else getattr(self.proposer, "name", type(self.proposer).__name__)
+        return {"method": method, "num_speculative_tokens": self.num_tokens, "max_batch": self.max_batch, **own}
 
 
 @dataclass
@@ -167,7 +169,9 @@ class Speculator:
 
 def make_proposer(config: SpecConfig, target: Any = None) -> Proposer:
     """The proposer ``config`` names (``target``: the loaded target model, whose tokenizer a draft
-    model must share)."""
+    model must share), or the one it carries."""
+    if config.proposer is not None:
+        return config.proposer
     if config.method == "draft":
         from engine.draft_model import load_draft
 

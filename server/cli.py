@@ -11,7 +11,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from server.blas import maybe_reexec_with_openblas, openblas_active
 from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
@@ -225,7 +227,9 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
         action.help = f"{action.help or ''} (default: {shown})".strip()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, adjust: Callable[[Any], Any] | None = None) -> int:
+    """The ``kvarn`` command. ``adjust``: for code that embeds ``kvarn serve`` (a proposer of its own,
+    say), a function given the server's config before the app is made, returning the one to serve."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["stress"]:  # a client of a server: its own arguments, no MLX, no OpenBLAS re-exec
         from e2e.stress import main as stress
@@ -235,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     maybe_reexec_with_openblas(disabled=args.no_openblas)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return {"serve": _serve, "run": _run, "bench": _bench, "kld": _kld, "advise": _advise}[args.command](args)
+    if args.command == "serve":
+        return _serve(args, adjust)
+    return {"run": _run, "bench": _bench, "kld": _kld, "advise": _advise}[args.command](args)
 
 
 def _kv_config(args: argparse.Namespace):  # -> engine.KVConfig (imported after the re-exec)
@@ -349,7 +355,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
         **({} if args.responses_store_bytes is None else {"responses_store_bytes": args.responses_store_bytes}))
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _serve(args: argparse.Namespace, adjust: Callable[[Any], Any] | None = None) -> int:
     import uvicorn
 
     from server.app import create_app
@@ -358,6 +364,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.drain_timeout < 0:
         raise SystemExit("kvarn serve: --drain-timeout must be >= 0")
     config = _server_config(args)
+    if adjust is not None:
+        config = adjust(config)
     try:
         app = create_app(config)
     except ValueError as exc:

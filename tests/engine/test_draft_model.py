@@ -106,7 +106,7 @@ def test_a_long_generation_with_many_rejections_keeps_the_draft_cache_exact(load
                 continue
             tokens = request.prompt_ids + request.output_ids
             assert row.tokens == tokens[: len(row.tokens)] and len(row.tokens) < len(tokens)
-            assert all(layer.offset == len(row.tokens) for layer in row.cache)
+            assert all(layer.offset == len(row.tokens) for layer in row.layers)
     baseline = generate(make_engine(loaded, CONFIG, LAYOUTS["fp16"], NO_APC), prompts[:2], greedy(160))
     assert [r.output_ids for r in requests] == [r.output_ids for r in baseline]
     counters = engine.speculator.counters
