@@ -41,6 +41,8 @@ import msgspec
 
 from apc.hashing import BlockKey
 
+LAYOUTS = ("array", "map")  # each event a msgpack array (vLLM's subscriber example) or a tagged map
+
 
 @dataclass(frozen=True)
 class KVEventsConfig:
@@ -54,6 +56,14 @@ class KVEventsConfig:
     layout: str = "array"  # each event a msgpack array, or a tagged map ("map": vllm-router)
     buffer_steps: int = 10_000
     hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not self.endpoint:
+            raise ValueError("the KV events endpoint must name a ZMQ endpoint, e.g. tcp://*:5557")
+        if self.block_size < 1:
+            raise ValueError(f"the KV events block size must be >= 1 (got {self.block_size})")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"the KV events layout must be one of {', '.join(LAYOUTS)} (got {self.layout!r})")
 
 
 MEDIUM_MEMORY = "GPU"
@@ -111,9 +121,6 @@ _AS_MAP = {event: _map_twin(event) for event in (BlockStored, BlockRemoved, AllB
 
 class MapKVEventBatch(EventBatch):
     events: list[Any]  # the map twins (encoded only; readers type them as their own)
-
-
-LAYOUTS = ("array", "map")
 
 
 def sub_hash(key: bytes, index: int) -> int:

@@ -14,9 +14,9 @@ tier and the checkpoint tier behind a few calls:
 The memory tier is one of two with the same calls: ``MemoryTier`` (payload copies: the fp16 and
 affine baselines) or the engine's block-pool tier (KVarN blocks kept in the pool itself, shared
 by reference count: ``apc/pool_tier.py``). ``record(...)`` counts a hit the engine took.
-``set_events`` makes the exact tier tell routers what it holds (``apc.events``): blocks stored
-in memory (inserted, or read from disk) and written to disk, blocks evicted from either tier
-(memory evictions are found once a step, by ``sync_events``), and a reset.
+A cache made with ``events`` (exact tier) tells routers what it holds (``apc.events``): blocks
+stored in memory (inserted, or read from disk) and written to disk, blocks evicted from either
+tier (memory evictions are found once a step, by ``sync_events``), and a reset.
 Everything here runs on the engine thread except the disk tier's reader and writer threads,
 which never touch MLX.
 """
@@ -60,12 +60,16 @@ class LookupStats:
 class PrefixCache:
     def __init__(self, stamp: str, fingerprint: str, block_size: int, memory: Any = None,
                  disk_dir: str | Path | None = None, disk_bytes: int = 0, tier: str = "exact",
-                 headroom: Callable[[], int] | None = None) -> None:
+                 headroom: Callable[[], int] | None = None, *, events: CacheEvents | None = None) -> None:
         """``memory``: the exact tier's memory store, or a cap in bytes (None: no cap) for a
         ``MemoryTier`` of copies; the checkpoint store gets the same cap. ``headroom()``: the
-        bytes the KV budget leaves for cached blocks (None: no KV budget to share)."""
+        bytes the KV budget leaves for cached blocks (None: no KV budget to share). ``events``:
+        where the exact tier's changes go from the start (None: nowhere); the checkpoint tier's
+        snapshots are not blocks a router can index, so it takes none."""
         if tier not in ("exact", "checkpoint"):
             raise ValueError(f"unknown tier {tier!r}")
+        if events is not None and tier != "exact":
+            raise ValueError("KV events describe blocks: only the exact tier publishes them")
         self.stamp, self.fingerprint, self.block_size, self.tier = stamp, fingerprint, block_size, tier
         cap = memory if memory is None or isinstance(memory, int) else None
         self.memory = MemoryTier(cap, headroom) if cap is not None or memory is None else memory
@@ -74,23 +78,16 @@ class PrefixCache:
         if disk_dir is not None:
             folder = Path(disk_dir) / ("blocks" if tier == "exact" else "snapshots")
             self.disk = DiskTier(folder, stamp, disk_bytes)
+            if events is not None:
+                self.disk.on_written = lambda note: events.stored([note[0]], note[1], MEDIUM_DISK)
+                self.disk.on_removed = lambda keys: events.removed(keys, MEDIUM_DISK)
         self.stats = LookupStats()
         self._done: queue.Queue[Callable[[], None]] = queue.Queue()  # finished reads, applied by ``poll``
         self._reading: set[bytes] = set()  # reads in flight, by the key they start at
         self._from_disk: set[bytes] = set()  # blocks loaded from disk and not yet counted as hits
-        self.events: CacheEvents | None = None
+        self.events = events
         self._published: set[bytes] = set()  # memory-tier blocks routers were told of
         self._evicted_seen = 0
-
-    def set_events(self, events: CacheEvents) -> None:
-        """Publish the exact tier's changes from now on (the checkpoint tier's snapshots are not
-        blocks a router can index: nothing is published for them)."""
-        if self.tier != "exact":
-            return
-        self.events = events
-        if self.disk is not None:
-            self.disk.on_written = lambda note: events.stored([note[0]], note[1], MEDIUM_DISK)
-            self.disk.on_removed = lambda keys: events.removed(keys, MEDIUM_DISK)
 
     # --- keys ---
     def root(self, salt: str | None) -> bytes:

@@ -10,6 +10,8 @@ bytes, b""]``, the end marker.
 ``emit`` only puts the event on a queue (callers, the engine thread among them, never wait on a
 socket); the thread takes every event that is waiting as one batch. Endpoints are bound: routers
 connect to them (``tcp://*:5557`` for every interface, ``tcp://127.0.0.1:5557`` for loopback).
+``open_cache_events`` makes the publisher and the ``CacheEvents`` that feeds it, for the prefix
+cache's constructor (``apc.reuse.make_prefix_reuse``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from apc.events import KVEventsConfig, make_batch
+from apc.events import CacheEvents, KVEventsConfig, make_batch
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +128,16 @@ class ZmqPublisher:
         for seq, payload in batches:
             self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+def open_cache_events(config: KVEventsConfig, cache_block_size: int) -> tuple[CacheEvents, ZmqPublisher]:
+    """A bound publisher of ``config`` and the ``CacheEvents`` emitting into it, for a cache of
+    blocks of ``cache_block_size`` tokens. Raises ``ValueError`` (a router block size that does
+    not divide it) or ``zmq.ZMQError`` (an endpoint in use) with no socket left open."""
+    if cache_block_size % config.block_size:
+        raise ValueError(f"the KV events block size must divide the prefix cache's block size "
+                         f"{cache_block_size} (got {config.block_size})")
+    publisher = ZmqPublisher(config)
+    logger.info("KV events on %s (replay %s, block size %d)", config.endpoint, config.replay_endpoint,
+                config.block_size)
+    return CacheEvents(publisher.emit, config.block_size, cache_block_size), publisher

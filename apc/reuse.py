@@ -12,7 +12,9 @@ The scheduler asks it, at admission and on the engine thread (``engine.scheduler
 and after admission: ``make_row(restore, empty)`` fills the new row (the runner), and
 ``after_step(...)`` caches what the step completed: whole blocks of prompts and of generated text
 (exact tier), or whole-row snapshots at chosen prompt lengths (checkpoint tier).
-``make_prefix_reuse`` builds it, with every tier, from what the loaded model and its row store are.
+``make_prefix_reuse`` builds it, with every tier, from what the loaded model and its row store are,
+and with the KV events publisher when routers are told what it holds (``apc.publisher``); the
+``PrefixReuse`` owns that publisher and closes it in ``close()``.
 
 It reads requests and step plans by their attributes only (``CachedRequest``, ``CachedPlan``):
 the engine's ``Request`` and ``StepPlan`` have them.
@@ -50,16 +52,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
 from apc.blocks import Payload
+from apc.events import CacheEvents, KVEventsConfig
 from apc.hashing import BlockKey, prompt_keys
 from apc.pool_tier import PoolHit, PoolTier, SinkOf
 from apc.prefix_cache import PENDING, PrefixCache
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore, load_blocks, make_cache, restore, snapshot, uses_layout
+
+if TYPE_CHECKING:
+    from apc.publisher import ZmqPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +115,15 @@ class CachedRow(Protocol):
     cache: list[Any]  # one cache per layer
 
 
+class CacheSettings(Protocol):
+    """What ``make_prefix_reuse`` reads of the prefix cache's settings (the engine's ``ApcConfig``)."""
+
+    memory_bytes: int | None  # a cap of the cache's own (None: what the KV budget leaves)
+    disk_dir: str | None  # the disk tier's folder (None: memory only)
+    disk_bytes: int
+    kv_events: KVEventsConfig | None  # publish the exact tier's changes (None: no socket)
+
+
 @dataclass
 class Restore:
     """What a lookup found: ``tokens`` prompt tokens, as pinned pool blocks, block copies (exact
@@ -135,9 +150,11 @@ class PrefixReuse:
     """The prefix cache as admission and the model runner see it (module docstring). While
     ``paused`` it looks nothing up and caches nothing (what it keeps stays, and still gives room)."""
 
-    def __init__(self, cache: PrefixCache, layout: KVLayout) -> None:
+    def __init__(self, cache: PrefixCache, layout: KVLayout, publisher: ZmqPublisher | None = None) -> None:
+        """``publisher``: the KV events publisher ``cache.events`` feeds (None: none), closed with it."""
         self.cache = cache
         self.layout = layout
+        self.publisher = publisher
         self.G = cache.block_size
         self.pool_tier = cache.memory if isinstance(cache.memory, PoolTier) else None
         self.progress: dict[RequestId, _Progress] = {}
@@ -157,6 +174,14 @@ class PrefixReuse:
     @property
     def tier(self) -> str:
         return self.cache.tier
+
+    def close(self) -> None:
+        """Land the disk tier's queued writes, then close the publisher: their events go out too."""
+        try:
+            self.cache.close()
+        finally:
+            if self.publisher is not None:
+                self.publisher.close()
 
     # --- admission (``engine.scheduler.CacheHooks``) ---
     def lookup(self, request: CachedRequest) -> Restore | None | Any:
@@ -348,28 +373,51 @@ def exact_tier_possible(row: list[Any]) -> bool:
 
 
 def make_prefix_reuse(fingerprint: str, layout: KVLayout, store: RowStore, room: Callable[[], int],
-                      memory_bytes: int | None = None, disk_dir: str | Path | None = None,
-                      disk_bytes: int = 0) -> PrefixReuse:
+                      settings: CacheSettings) -> PrefixReuse:
     """The prefix cache of a loaded model (``fingerprint``) whose rows ``store`` makes under
     ``layout``, complete: the exact tier where every layer takes the layout (blocks of G tokens:
     the block pool's own blocks for KVarN rows in it, copies for the baselines), else the
     checkpoint tier (whole-row snapshots). The keys' stamp names the layout and the model.
 
     ``room()``: the KV budget left beside what running requests hold; the cache keeps what it
-    can of that (less what it keeps already), up to ``memory_bytes`` (None: no cap of its own).
-    ``disk_dir``: the disk tier's folder (None: memory only), up to ``disk_bytes``."""
+    can of that (less what it keeps already), up to ``settings.memory_bytes`` (None: no cap of its
+    own). ``settings.disk_dir``: the disk tier's folder (None: memory only), up to
+    ``settings.disk_bytes``. ``settings.kv_events``: the exact tier's changes published from the
+    start (the checkpoint tier's snapshots are not blocks: a warning, and no socket is opened)."""
     tier = "exact" if exact_tier_possible(make_cache(store.model, layout)) else "checkpoint"
 
     def headroom() -> int:  # what the tiers may still grow by: room beside rows, less what they keep
         return room() - cache.memory_bytes
 
+    memory_bytes, disk_dir = settings.memory_bytes, settings.disk_dir
     memory: Any = memory_bytes
     if tier == "exact" and store.pool is not None:
         memory = PoolTier(store.pool, memory_bytes, headroom)
-    cache = PrefixCache(layout.stamp(fingerprint), fingerprint, layout.tile_size, memory, disk_dir, disk_bytes,
-                        tier=tier, headroom=headroom)
+    events, publisher = _open_events(settings.kv_events, tier, layout.tile_size)
+    try:
+        cache = PrefixCache(layout.stamp(fingerprint), fingerprint, layout.tile_size, memory, disk_dir,
+                            settings.disk_bytes, tier=tier, headroom=headroom, events=events)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
     cap = f"up to {memory_bytes:,} bytes" if memory_bytes is not None else "no cap"
     logger.info("prefix cache: %s tier%s, in what the KV budget leaves free (%s)%s", tier,
                 " in the block pool" if isinstance(memory, PoolTier) else "", cap,
-                f", disk {disk_dir} up to {disk_bytes:,} bytes" if disk_dir else "")
-    return PrefixReuse(cache, layout)
+                f", disk {disk_dir} up to {settings.disk_bytes:,} bytes" if disk_dir else "")
+    return PrefixReuse(cache, layout, publisher)
+
+
+def _open_events(config: KVEventsConfig | None, tier: str,
+                 block_size: int) -> tuple[CacheEvents | None, ZmqPublisher | None]:
+    """The ``CacheEvents`` and bound publisher of ``config`` for the exact tier, or (None, None):
+    KV events off, or a checkpoint-tier cache (nothing a router can index)."""
+    if config is None:
+        return None, None
+    if tier != "exact":
+        logger.warning("KV events: this model's prefix cache keeps whole-row snapshots, not blocks; "
+                       "nothing will be published")
+        return None, None
+    from apc.publisher import open_cache_events  # loads ZMQ: only where events are on
+
+    return open_cache_events(config, block_size)

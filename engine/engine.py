@@ -140,24 +140,27 @@ class Engine:
         budget = self._make_budget(store, config.kv_budget_bytes)
         self.prefix: PrefixReuse | None = None
         if apc is not None:
-            self.prefix = make_prefix_reuse(loaded.fingerprint, layout, store, budget.free_bytes,
-                                            apc.memory_bytes, apc.disk_dir, apc.disk_bytes)
-        self.scheduler = Scheduler(config, budget, cache=self.prefix)
-        self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
-                                  restore=self.prefix.make_row if self.prefix is not None else None,
-                                  release=self.prefix.release if self.prefix is not None else None,
-                                  batch_prefill=config.batch_prefill, store=store,
-                                  compile_decode=config.compile_decode)
-        # rows that cannot be cut at blocks (sliding windows, recurrent state) end prompt chunks
-        # where the checkpoint tier snapshots them, with or without the cache (same numbers)
-        self.cuts_for_snapshots = not exact_tier_possible(make_cache(loaded.model, layout))
-        self.requests: dict[RequestId, Request] = {}
-        self._outputs: dict[RequestId, OutputState] = {}
-        self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
-        self._async = config.async_scheduling
-        self._ahead: Dispatched | None = None  # async scheduling: the step launched, not read back
-        self.speculator = None if spec is None else Speculator(spec, make_proposer(spec, loaded), loaded.context_length,
-                                                               config.max_num_batched_tokens)
+            self.prefix = make_prefix_reuse(loaded.fingerprint, layout, store, budget.free_bytes, apc)
+        try:
+            self.scheduler = Scheduler(config, budget, cache=self.prefix)
+            self.runner = ModelRunner(loaded, layout, batch_decode=batch_decode, capacity=self._capacity,
+                                      restore=self.prefix.make_row if self.prefix is not None else None,
+                                      release=self.prefix.release if self.prefix is not None else None,
+                                      batch_prefill=config.batch_prefill, store=store,
+                                      compile_decode=config.compile_decode)
+            # rows that cannot be cut at blocks (sliding windows, recurrent state) end prompt chunks
+            # where the checkpoint tier snapshots them, with or without the cache (same numbers)
+            self.cuts_for_snapshots = not exact_tier_possible(make_cache(loaded.model, layout))
+            self.requests: dict[RequestId, Request] = {}
+            self._outputs: dict[RequestId, OutputState] = {}
+            self._eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
+            self._async = config.async_scheduling
+            self._ahead: Dispatched | None = None  # async scheduling: the step launched, not read back
+            self.speculator = None if spec is None else Speculator(spec, make_proposer(spec, loaded),
+                                                                   loaded.context_length, config.max_num_batched_tokens)
+        except BaseException:  # the prefix cache's threads and KV events sockets go with the failed engine
+            self.close()
+            raise
 
     def _make_budget(self, store: RowStore, budget_bytes: int | None) -> StaticBudget:
         """KVarN rows in the block pool whose every layer is in it, unwindowed: shared blocks
@@ -200,10 +203,10 @@ class Engine:
 
     # --- prefix cache ---
     def close(self) -> None:
-        """Finish the prefix cache's disk writes (shutdown)."""
+        """Finish the prefix cache's disk writes, then close its KV events publisher (shutdown)."""
         self._ahead = None
         if self.prefix is not None:
-            self.prefix.cache.close()
+            self.prefix.close()
 
     def prefix_cache_stats(self) -> dict[str, object]:
         if self.prefix is None:

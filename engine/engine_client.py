@@ -45,8 +45,6 @@ class EngineConfig:
     parse_special: bool = False
     # run engine/warm_up.py's workload before serving (None: where MLX's default device is a GPU)
     warm_up: bool | None = None
-    # publish the prefix cache's changes to routers (an apc.events.KVEventsConfig; None: off)
-    kv_events: Any = None
     # speculative decoding (an engine.speculator.SpecConfig; None: off)
     speculative: Any = None
 
@@ -299,6 +297,7 @@ class EngineClient:
 
     # --- the engine thread ---
     def _main(self) -> None:
+        engine = None
         try:
             from engine.engine import make_engine
             from engine.loader import load_model
@@ -314,7 +313,6 @@ class EngineClient:
                 kv = replace(kv, max_kv_size=window)  # the advice picks the layout; the window stays the flag's
                 logger.info("KV layout by kvarn advise: %s (%s)", chosen["arm"], chosen["source"])
             engine = make_engine(loaded, self.config.scheduler, kv, self.config.apc, self.config.speculative)
-            publisher = self._start_events(engine)
             from engine.warm_up import on_gpu, warm_up
 
             if self.config.warm_up or (self.config.warm_up is None and on_gpu()):
@@ -333,6 +331,8 @@ class EngineClient:
             self._update_stats(engine)  # gauges (budgets, prefix cache) are right before any request
         except BaseException as exc:  # reported through /health; the server stays up to say so
             logger.exception("model load failed")
+            if engine is not None:  # made, then a later start-up step failed: its sockets and threads go
+                engine.close()
             self.load_error = exc
             self.ready.set()
             return
@@ -343,31 +343,7 @@ class EngineClient:
                 if engine.has_work():
                     self._step(engine)
         finally:
-            engine.close()  # the prefix cache's queued disk writes land before the process ends
-            if publisher is not None:
-                publisher.close()  # after the disk writes: their events go out too
-
-    def _start_events(self, engine: Any) -> Any:
-        """The KV events publisher of ``config.kv_events`` on the prefix cache (None when off: no
-        socket is opened)."""
-        config = self.config.kv_events
-        if config is None:
-            return None
-        if engine.prefix is None:
-            raise ValueError("KV events report the prefix cache's contents: they need the prefix cache on")
-        from apc.events import CacheEvents
-        from apc.publisher import ZmqPublisher
-
-        events = CacheEvents(lambda event: None, config.block_size, engine.prefix.cache.block_size)
-        publisher = ZmqPublisher(config)
-        events.emit = publisher.emit
-        engine.prefix.cache.set_events(events)
-        if engine.prefix.cache.events is None:
-            logger.warning("KV events: this model's prefix cache keeps whole-row snapshots, not blocks; "
-                           "nothing will be published")
-        logger.info("KV events on %s (replay %s, block size %d)", config.endpoint, config.replay_endpoint,
-                    config.block_size)
-        return publisher
+            engine.close()  # the prefix cache's queued disk writes, and their KV events, land before the process ends
 
     def _run_commands(self, engine: Any, block: bool) -> None:
         try:

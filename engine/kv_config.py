@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from apc.events import KVEventsConfig
+
 
 @dataclass(frozen=True)
 class KVConfig:
@@ -28,12 +30,18 @@ class ApcConfig:
     """The automatic prefix cache, in plain values. ``memory_bytes``: a cap on what the cache keeps
     in memory beside running requests (None: no cap; it keeps what running requests leave of the
     KV budget and gives it back when admission needs it: never added to the budget);
-    ``disk_dir`` None: memory only."""
+    ``disk_dir`` None: memory only. ``kv_events``: publish what the cache holds to routers
+    (``apc.events``; None: off, no socket); it needs the cache on."""
 
     enabled: bool = True
     memory_bytes: int | None = None
     disk_dir: str | None = None
     disk_bytes: int = 4 * 2**30
+    kv_events: KVEventsConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_events is not None and not self.enabled:
+            raise ValueError("KV events report the prefix cache's contents: they need the prefix cache on")
 
 
 def check_window(kv: KVConfig) -> None:

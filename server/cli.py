@@ -18,7 +18,7 @@ from typing import Any
 from server.blas import maybe_reexec_with_openblas, openblas_active
 from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
 from server.cli_args import DTYPES, add_model_args, size_arg, window_arg
-from server.cli_scale_out import add_scale_out_args, kv_events_config
+from server.cli_scale_out import add_scale_out_args, with_kv_events
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="OpenAI-compatible LLM server on MLX with the "
@@ -343,10 +343,11 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
         raise SystemExit("kvarn serve: --max-queue must be >= 0")
     return ServerConfig(
         engine=EngineConfig(args.model, args.served_model_name, args.dtype,
-                            scheduler, _kv_config(args), apc=_apc_config(args), max_queue=args.max_queue,
+                            scheduler, _kv_config(args), apc=with_kv_events(_apc_config(args), args),
+                            max_queue=args.max_queue,
                             parse_special=args.parse_special_tokens,
                             warm_up={"auto": None, "on": True, "off": False}[args.warm_up],
-                            kv_events=kv_events_config(args), speculative=_spec_config(args)),
+                            speculative=_spec_config(args)),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         keep_billing_header=args.keep_billing_header, default_max_tokens=args.default_max_tokens,

@@ -32,6 +32,14 @@ def add_scale_out_args(serve: argparse.ArgumentParser) -> None:
                           "those in flight before ending them with an error (default: %(default)s)")
 
 
+def with_kv_events(apc, args: argparse.Namespace):  # engine.ApcConfig -> engine.ApcConfig
+    """The prefix cache's settings ``apc`` with the KV events of the flags: the publisher is built
+    with the cache (``apc.reuse.make_prefix_reuse``)."""
+    from dataclasses import replace
+
+    return replace(apc, kv_events=kv_events_config(args))
+
+
 def kv_events_config(args: argparse.Namespace):  # -> engine.KVEventsConfig | None
     endpoint, replay = args.kv_events_endpoint, args.kv_events_replay_endpoint
     if endpoint is None:
@@ -46,5 +54,8 @@ def kv_events_config(args: argparse.Namespace):  # -> engine.KVEventsConfig | No
         raise SystemExit(f"kvarn serve: --kv-events-block-size must divide the cache's block size {args.kv_tile}")
     from engine import KVEventsConfig
 
-    return KVEventsConfig(endpoint, replay, args.kv_events_topic, args.kv_events_block_size,
-                          layout=args.kv_events_layout)
+    try:
+        return KVEventsConfig(endpoint, replay, args.kv_events_topic, args.kv_events_block_size,
+                              layout=args.kv_events_layout)
+    except ValueError as exc:
+        raise SystemExit(f"kvarn serve: {exc}") from None

@@ -43,6 +43,34 @@ def test_kv_events_layout_reaches_the_publisher_config():
         build_parser().parse_args(["serve", "--kv-events-layout", "json"])
 
 
+def test_kv_events_travel_with_the_prefix_cache_settings():
+    from server.cli import _server_config
+
+    args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
+                                      "--kv-events-block-size", "32", "--apc-memory-bytes", "1MiB"])
+    apc = _server_config(args).engine.apc
+    assert (apc.enabled, apc.memory_bytes, apc.kv_events.endpoint, apc.kv_events.block_size) == (
+        True, 2**20, "tcp://127.0.0.1:5557", 32)
+    assert _server_config(build_parser().parse_args(["serve"])).engine.apc.kv_events is None
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--no-apc"], "kvarn serve: KV events report the prefix cache's contents; drop --no-apc"),
+    (["--kv-events-block-size", "3"], "kvarn serve: --kv-events-block-size must divide the cache's block size 128"),
+])
+def test_kv_events_refused_at_start_up_with_a_message(flags, message):
+    done = kvarn("serve", "--port", "1", "--kv-events-endpoint", "tcp://127.0.0.1:5557", *flags, timeout=120)
+    assert done.returncode != 0
+    assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_empty_kv_events_endpoint_is_refused():
+    with pytest.raises(SystemExit, match="kvarn serve: the KV events endpoint must name a ZMQ endpoint"):
+        from server.cli import _server_config
+
+        _server_config(build_parser().parse_args(["serve", "--kv-events-endpoint", ""]))
+
+
 def test_run_streams_greedy_answer():
     result = kvarn("run", "--prompt", "What does the ls command do?", "--max-tokens", "12")
     assert result.returncode == 0, result.stderr
