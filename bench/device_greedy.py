@@ -32,11 +32,11 @@ from engine.request import Request, RequestId, SamplingParams  # noqa: E402
 from engine.scheduler import SchedulerConfig  # noqa: E402
 
 
-def generate(loaded, prompts: list[list[int]], tokens: int, compile_decode: bool = True
-             ) -> list[tuple[list[int], list[float]]]:
+def generate(loaded, prompts: list[list[int]], tokens: int, compile_decode: bool = True,
+             kv: KVConfig = KVConfig("kvarn", 4, 2)) -> list[tuple[list[int], list[float]]]:
     engine = make_engine(loaded, SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024, prefill_chunk_size=512,
                                                  compile_decode=compile_decode),
-                         KVConfig("kvarn", 4, 2), ApcConfig(enabled=False))
+                         kv, ApcConfig(enabled=False))
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=True)
     requests = [Request(RequestId(f"g{i}"), p, params) for i, p in enumerate(prompts)]
     logprobs: dict[str, list[float]] = {r.request_id: [] for r in requests}
@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=400)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--compare", choices=("kernel", "compile"), default="kernel")
+    parser.add_argument("--layout", choices=("kvarn", "fp16"), default="kvarn",
+                        help="with --compare compile: the KV layout (fp16: the fused ragged kernel)")
     args = parser.parse_args()
     loaded = load_model(None, args.dtype)
     texts = [p["text"] for p in json.loads(PROMPTS_FILE.read_text())["prompts"][: args.prompts]]
@@ -65,8 +67,9 @@ def main() -> int:
     arms = {}
     if args.compare == "compile":
         first, second = "compiled", "eager"
-        arms = {"compiled": generate(loaded, prompts, args.tokens, True),
-                "eager": generate(loaded, prompts, args.tokens, False)}
+        kv = KVConfig("kvarn", 4, 2) if args.layout == "kvarn" else KVConfig("fp16")
+        arms = {"compiled": generate(loaded, prompts, args.tokens, True, kv),
+                "eager": generate(loaded, prompts, args.tokens, False, kv)}
     else:
         first, second = "fused", "reference"
         for name, verdict in (("fused", fused_verdict), ("reference", "reference")):
@@ -78,7 +81,7 @@ def main() -> int:
         worst = max((abs(x - y) for x, y in zip(la[:k], lb[:k])), default=0.0)
         rows.append({"agree_tokens": k, "of": len(a), "max_logprob_diff_before": worst})
     report = {"device": str(mx.default_device()), "dtype": loaded.compute_dtype, "fused_verdict": fused_verdict,
-              "compare": f"{first} vs {second}",
+              "compare": f"{first} vs {second}", "layout": args.layout,
               "prompts": len(prompts), "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
               "identical_prompts": sum(r["agree_tokens"] == r["of"] for r in rows), "rows": rows}
     Path(args.out).write_text(json.dumps(report, indent=2))

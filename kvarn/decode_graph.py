@@ -21,10 +21,11 @@ slice, which its own row rewrites before reading) and attend one valid position;
 commit quantizes the pad window into the pad block (id 0, never read unmasked). Their outputs
 are never read.
 
-Where the fused paged decode kernel attends (``metal.KERNELS``), the plan also holds its launch
-plan at a fixed size (``metal.paged_plan.static_plan``: the same number of work items for every
-row, from the shapes alone), so the kernel runs inside the compiled graph. Slot rows under the
-fused ragged kernel (it plans from host integers) run through their caches' own
+Where a fused decode kernel attends (``metal.KERNELS``: the paged one for KVarN rows, the ragged
+one for fp16 slots), the plan also holds its launch plan at a fixed size (the same number of work
+items for every row, from the shapes alone: ``metal.paged_plan.static_plan``,
+``metal.cuda.ragged_decode.static_plan``), so the kernel runs inside the compiled graph. Slot rows
+on a GPU without the ragged kernel attend row by row and run through their caches' own
 ``update_and_fetch``/``attend`` (``plan_decode`` returns None).
 """
 
@@ -44,6 +45,9 @@ from kvarn.slot_attention import attends_per_row, fused_decode_available
 from metal import KERNELS
 from metal.paged_plan import DecodePlan as KernelPlan
 from metal.paged_plan import static_plan, static_splits
+from metal.cuda.ragged_decode import planned_attention as ragged_planned
+from metal.cuda.ragged_decode import static_plan as ragged_plan
+from metal.cuda.ragged_decode import static_splits as ragged_splits
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 COMMIT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -282,9 +286,11 @@ class PagedStepLayer:
 
 def slot_plan(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
     """The step of ``batches`` (one ``SlotBatch`` per layer, the same rows in each) planned as
-    arrays, or None where the batch attends otherwise (the fused ragged kernel, or row by row)."""
+    arrays, or None where the batch attends row by row (a GPU without the fused ragged kernel).
+    Where the fused ragged kernel attends, its launch plan is made here at a fixed size."""
     first = batches[0]
-    if fused_decode_available(first) or attends_per_row(first):
+    fused = fused_decode_available(first)
+    if not fused and attends_per_row(first):
         return None
     for batch in batches:
         for row in batch.rows:
@@ -308,8 +314,16 @@ def slot_plan(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
         at = positions + [T_cap - 1] * (Bp - B)  # a padding row: the last position of a free slot
         inputs[f"rows{H}"] = mx.array([((b * H) + h) * T_cap + p for b, p in enumerate(at) for h in range(H)],
                                       dtype=i32)  # relative to the batch's first slot (``SlotStepLayer``)
+    splits = 0
+    if fused:  # every row's tokens in ``splits`` work items (``metal.cuda.ragged_decode.static_plan``)
+        H = shapes[0][0][0][1]
+        splits = ragged_splits(Bp, Tb, H)
+        row_lengths = [p + 1 for p in positions] + [1] * (Bp - B)
+        for lo in sorted(set(starts)):
+            work, row_work, rows = ragged_plan([lo + b for b in range(Bp)], row_lengths, splits)
+            inputs["rg_work"], inputs["rg_row_work"], inputs[f"rg_rows{lo}"] = work, row_work, rows
     state = [buf for store in stores for buf in store._buffers]
-    static = ("slots", shapes, tuple(starts), Bp, Tb, first.store.bits, first.store.group_size)
+    static = ("slots", shapes, tuple(starts), Bp, Tb, first.store.bits, first.store.group_size, splits)
 
     def finish(arrays: list[mx.array]) -> None:
         k = 0
@@ -329,11 +343,11 @@ def _free(store: Any, lo: int, hi: int) -> bool:
 
 
 def _slot_caches(static: tuple, inputs: dict[str, mx.array], state: list[mx.array]) -> list[Any]:
-    _, shapes, starts, Bp, Tb, bits, group_size = static
+    _, shapes, starts, Bp, Tb, bits, group_size, splits = static
     caches, k = [], 0
     for lo, layer_shapes in zip(starts, shapes):
         n = len(layer_shapes)
-        caches.append(SlotStepLayer(list(state[k: k + n]), lo, Bp, Tb, inputs, bits, group_size))
+        caches.append(SlotStepLayer(list(state[k: k + n]), lo, Bp, Tb, inputs, bits, group_size, splits))
         k += n
     return caches
 
@@ -345,8 +359,9 @@ class SlotStepLayer:
     CPU path, as arrays)."""
 
     def __init__(self, buffers: list[mx.array], lo: int, Bp: int, Tb: int, inputs: dict[str, mx.array],
-                 bits: int | None, group_size: int) -> None:
+                 bits: int | None, group_size: int, splits: int = 0) -> None:
         self.buffers, self.lo, self.Bp, self.Tb, self.inputs = buffers, lo, Bp, Tb, inputs
+        self.splits = splits  # > 0: the fused ragged kernel attends, with the plan's launch plan
         if bits is not None:
             self.bits, self.group_size = bits, group_size
 
@@ -377,6 +392,13 @@ class SlotStepLayer:
 
     def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
                sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
+        if self.splits and sinks is None and len(self.buffers) == 2:
+            buf_k, buf_v = self.buffers
+            H, D = buf_k.shape[1], buf_k.shape[3]
+            if KERNELS.ragged_decode(head_dim=D, n_rep=queries.shape[1] // H, dtype=queries.dtype,
+                                     kv_dtype=buf_k.dtype) is not None:
+                return ragged_planned(queries, buf_k, buf_v, self.inputs["rg_work"], self.inputs["rg_row_work"],
+                                      self.inputs[f"rg_rows{self.lo}"], self.splits, scale)
         return default(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
 
     def arrays(self) -> list[mx.array]:

@@ -144,6 +144,44 @@ def make_plan(slots: Sequence[int], lengths: Sequence[int], n_kv_heads: int, **p
                       lengths=lengths)
 
 
+def static_splits(rows: int, tokens: int, n_kv_heads: int, num_sms: int | None = None) -> int:
+    """Work items a row for a step whose shapes are fixed ahead (a compiled decode step: ``rows``
+    padded to a bucket, rows of at most ``tokens`` tokens), from those shapes alone, by
+    ``plan_splits``' policy at that size: one a row where it would give one, else the split count
+    of a ``tokens``-long row."""
+    single = rows * n_kv_heads <= SINGLE_MAX_ROW_HEADS and tokens <= SINGLE_MAX_TOKENS
+    if single:
+        return 1
+    target = max(1, TARGET_WAVES * planning_sms(num_sms) * RESIDENT_BLOCKS)
+    per = max(1, MIN_SPLIT, math.ceil(rows * tokens * n_kv_heads / target))
+    return max(1, min(-(-tokens // per), tokens // MIN_SPLIT))
+
+
+def static_plan(slots: Sequence[int], lengths: Sequence[int], splits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """(work, row_work, rows) arrays of a plan with exactly ``splits`` items a row (a row shorter
+    than its items leaves some empty: the kernel gives an empty item no weight), so the launch's
+    grid depends on the shapes only and a compiled step replays it (``planned_attention``)."""
+    work = [(b, n * i // splits, n * (i + 1) // splits) for b, n in enumerate(lengths) for i in range(splits)]
+    i32 = mx.int32
+    return (mx.array(work, dtype=i32).reshape(-1, 3), mx.array([b * splits for b in range(len(lengths) + 1)], dtype=i32),
+            mx.array(list(slots), dtype=i32))
+
+
+def planned_attention(queries: mx.array, keys: mx.array, values: mx.array, work: mx.array, row_work: mx.array,
+                      rows: mx.array, splits: int, scale: float) -> mx.array:
+    """``ragged_decode_attention`` with a plan of ``splits`` items a row given as arrays
+    (``static_plan``'s, or a compiled step's values of them): no host integer of the step."""
+    B, n_q, _, D = queries.shape
+    plan = RaggedPlan(work=work, row_work=row_work, rows=rows, num_items=B * splits, items=(), slots=(),
+                      lengths=(0,) * B)
+    call = attention_launch(queries, keys, values, plan, scale)
+    part_o, part_ml = _run(call)
+    if call.final:
+        return part_o.reshape(B, n_q, 1, D)
+    (out,) = _run(combine_launch(part_o, part_ml, plan, queries))
+    return out.reshape(B, n_q, 1, D)
+
+
 def is_supported(*, head_dim: int, n_rep: int, dtype: mx.Dtype = mx.float16, kv_dtype: mx.Dtype | None = None) -> bool:
     """Whether the kernel has a template for this shape (queries' ``dtype``, K/V ``kv_dtype``, default
     the same); else callers use the reference."""

@@ -11,6 +11,7 @@ import pytest
 from metal import KERNELS
 from metal.cuda.ragged_decode import MIN_SPLIT, RESIDENT_BLOCKS, SINGLE_MAX_ROW_HEADS, SPLIT_ALIGN, TARGET_WAVES, \
     check_arguments, is_supported, make_plan, plan_splits, ragged_decode_attention
+from metal.cuda.ragged_decode import RaggedPlan, planned_attention, static_plan, static_splits
 from metal.reference import reference_ragged_decode_attention
 from metal.selector import SELF_CHECK_TOLERANCE, Kernels, ragged_decode_self_check
 from tests.metal import cuda_emulator
@@ -233,6 +234,42 @@ def test_emulated_kernel_never_reads_past_a_row(single):
     plan = make_plan(case["slots"], case["lengths"], 2, single=single)
     got = cuda_emulator.emulated_ragged_decode_attention(**case, plan=plan)
     assert np.isfinite(got).all() and max_rel_error(got, numpy_attention(case)) < TOL
+
+
+def test_static_plan_gives_every_row_the_same_items_covering_its_tokens_once():
+    for splits in (1, 3, 5):
+        work, row_work, rows = static_plan((4, 5, 6), (1, 7, 600), splits)
+        assert row_work.tolist() == [0, splits, 2 * splits, 3 * splits] and rows.tolist() == [4, 5, 6]
+        for b, n in enumerate((1, 7, 600)):
+            items = work.tolist()[b * splits: (b + 1) * splits]
+            assert all(i[0] == b for i in items)
+            assert [t for _, lo, hi in items for t in range(lo, hi)] == list(range(n))  # some items empty
+    assert static_splits(1, 4096, 8, num_sms=132) == 1  # one short row: one item
+    assert static_splits(32, 16384, 8, num_sms=132) > 1
+
+
+@needs_gxx
+@pytest.mark.parametrize("splits", [1, 4])
+def test_emulated_kernel_with_a_static_plan_and_empty_items_matches_float64(splits):
+    """A plan of fixed size (a compiled step's): rows shorter than its items leave some empty."""
+    case = make_case([1, 3, 600], n_rep=2, seed=6)
+    work, row_work, rows = static_plan(case["slots"], case["lengths"], splits)
+    plan = RaggedPlan(work=work, row_work=row_work, rows=rows, num_items=3 * splits, items=(), slots=case["slots"],
+                      lengths=case["lengths"])
+    got = cuda_emulator.emulated_ragged_decode_attention(**case, plan=plan)
+    want = numpy_attention(case)
+    for b in range(3):
+        assert max_rel_error(got[b], want[b]) < TOL
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_with_a_static_plan_matches_reference(splits):
+    case = make_case(RAGGED, n_rep=4, t_cap=1010)
+    work, row_work, rows = static_plan(case["slots"], case["lengths"], splits)
+    got = np.array(planned_attention(case["queries"], case["keys"], case["values"], work, row_work, rows, splits,
+                                     case["scale"]).astype(mx.float32))
+    assert max_rel_error(got, reference(case)) < TOL
 
 
 @needs_gxx
