@@ -371,9 +371,9 @@ class EngineClient:
         except Exception:  # the runner already isolates row failures; this is a last resort
             logger.exception("engine step failed; aborting its requests")
             outputs = [o for rid in list(engine.requests) for o in engine.abort_request(rid)]
+        self._update_stats(engine)  # before the outputs go out: a client that got its last token reads gauges without it
         for output in outputs:
             self._dispatch(output)
-        self._update_stats(engine)
 
     def _update_stats(self, engine: Any) -> None:
         stats = {"running": engine.num_running, "waiting": engine.num_waiting,
