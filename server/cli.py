@@ -17,7 +17,7 @@ from typing import Any
 
 from server.blas import maybe_reexec_with_openblas, openblas_active
 from server.defaults import API_KEY_ENV, DEFAULT_HOST, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PORT
-from server.cli_args import DTYPES, add_model_args, size_arg, window_arg
+from server.cli_args import DTYPES, add_model_args, size_arg, spec_config, window_arg
 from server.cli_scale_out import add_scale_out_args, with_kv_events
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,26 +309,6 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
     return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir, disk_bytes=args.apc_disk_bytes)
 
 
-def _spec_config(args: argparse.Namespace):  # -> engine.speculator.SpecConfig | None
-    if args.speculative is None:
-        if args.draft_model is not None:
-            raise SystemExit("kvarn serve: --draft-model needs --speculative draft")
-        return None
-    from engine.speculator import SpecConfig
-
-    try:
-        config = SpecConfig(args.speculative, args.num_speculative_tokens, args.speculative_ngram_min,
-                            args.speculative_ngram_max, args.speculative_max_batch, args.draft_model)
-        if config.method == "draft":  # refused here, before either model loads
-            from engine.draft_model import check_draft_folder
-            from engine.loader import BUNDLED_MODEL_DIR
-
-            check_draft_folder(args.model or BUNDLED_MODEL_DIR, config.draft_model)
-        return config
-    except (ValueError, FileNotFoundError) as exc:
-        raise SystemExit(f"kvarn serve: {exc}") from None
-
-
 def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     from engine import EngineConfig, SchedulerConfig
     from server.config import ServerConfig
@@ -347,7 +327,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
                             max_queue=args.max_queue,
                             parse_special=args.parse_special_tokens,
                             warm_up={"auto": None, "on": True, "off": False}[args.warm_up],
-                            speculative=_spec_config(args)),
+                            speculative=spec_config(args)),
         host=args.host, port=args.port, api_key=args.api_key or ServerConfig.api_key_from_env(),
         allowed_hosts=tuple(args.allowed_host), reasoning_content=not args.no_reasoning_content,
         keep_billing_header=args.keep_billing_header, default_max_tokens=args.default_max_tokens,

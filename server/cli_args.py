@@ -72,3 +72,24 @@ def window_arg(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive number of tokens, not {value}")
     return value
+
+
+def spec_config(args: argparse.Namespace):  # -> engine.speculator.SpecConfig | None
+    """``kvarn serve``'s speculative decoding settings (None: off); bad ones stop the command."""
+    if args.speculative is None:
+        if args.draft_model is not None:
+            raise SystemExit("kvarn serve: --draft-model needs --speculative draft")
+        return None
+    from engine.speculator import SpecConfig
+
+    try:
+        config = SpecConfig(args.speculative, args.num_speculative_tokens, args.speculative_ngram_min,
+                            args.speculative_ngram_max, args.speculative_max_batch, args.draft_model)
+        if config.method == "draft":  # refused here, before either model loads
+            from engine.draft_model import check_draft_folder
+            from engine.loader import BUNDLED_MODEL_DIR
+
+            check_draft_folder(args.model or BUNDLED_MODEL_DIR, config.draft_model)
+        return config
+    except (ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"kvarn serve: {exc}") from None

@@ -171,9 +171,15 @@ def planned_attention(queries: mx.array, keys: mx.array, values: mx.array, work:
                       rows: mx.array, splits: int, scale: float) -> mx.array:
     """``ragged_decode_attention`` with a plan of ``splits`` items a row given as arrays
     (``static_plan``'s, or a compiled step's values of them): no host integer of the step."""
-    B, n_q, _, D = queries.shape
+    B = queries.shape[0]
     plan = RaggedPlan(work=work, row_work=row_work, rows=rows, num_items=B * splits, items=(), slots=(),
                       lengths=(0,) * B)
+    return _attend(queries, keys, values, plan, scale)
+
+
+def _attend(queries: mx.array, keys: mx.array, values: mx.array, plan: RaggedPlan, scale: float) -> mx.array:
+    """The attention launch, then the combine where rows are split: [B, n_q, 1, D]."""
+    B, n_q, _, D = queries.shape
     call = attention_launch(queries, keys, values, plan, scale)
     part_o, part_ml = _run(call)
     if call.final:
@@ -260,12 +266,6 @@ def ragged_decode_attention(*, queries: mx.array, keys: mx.array, values: mx.arr
     (``make_plan(slots, lengths, H)``, shared by the layers of a step; built here when not given).
     Raises ValueError where ``is_supported`` says no or the arguments do not fit."""
     check_arguments(queries, keys, values, slots, lengths, plan)
-    B, n_q, _, D = queries.shape
     if plan is None:
         plan = make_plan(slots, lengths, keys.shape[1])
-    call = attention_launch(queries, keys, values, plan, scale)
-    part_o, part_ml = _run(call)
-    if call.final:
-        return part_o.reshape(B, n_q, 1, D)
-    (out,) = _run(combine_launch(part_o, part_ml, plan, queries))
-    return out.reshape(B, n_q, 1, D)
+    return _attend(queries, keys, values, plan, scale)
