@@ -15,7 +15,9 @@ A structure is compiled once it recurs: an ordinary step at its first use (traci
 tiles only after ``commit_after`` uses. A commit graph holds the quantizer (~200 operations a
 layer): tracing and compiling one took 1.7-3.5 s here, and at one user's pace a given commit
 structure (rows, table width, tiles) comes back a few times per context, so it runs uncompiled;
-on a busy server every step commits someone's tile and the same structures recur constantly. Steps the storage cannot plan as
+on a busy server every step commits someone's tile and the same structures recur constantly. Where
+the fused commit kernel quantizes (CUDA, Metal: one launch a layer, nothing to fuse), a commit
+structure compiles at its first use like any other. Steps the storage cannot plan as
 arrays (a fused kernel plans its launch on the host, models with layers of their own) return
 None: the runner runs the forward through the batch caches.
 
@@ -33,6 +35,8 @@ import mlx.core as mx
 
 from kvarn.decode_graph import ROW_BUCKETS, DecodePlan, written
 from kvarn.rows import plan_decode
+from metal import KERNELS
+from metal.selector import FUSED
 
 
 class DecodeGraphs:
@@ -71,7 +75,8 @@ class DecodeGraphs:
             self._uses = Counter({k: n for k, n in self._uses.items() if k in self._graphs})
         self._uses[key] += 1
         compiled = self.compile and plan.padded <= ROW_BUCKETS[-1] and \
-            (key in self._graphs or not plan.commits or self._uses[key] > self.commit_after)
+            (key in self._graphs or not plan.commits or self._uses[key] > self.commit_after
+             or KERNELS.decided_commit_path() in FUSED)
         fn = self._graph(key, plan) if compiled else self._step(plan.build, plan.static)
         self.steps += 1
         self.eager += not compiled

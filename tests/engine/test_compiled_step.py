@@ -162,6 +162,19 @@ def test_commit_structures_compile_once_they_recur(loaded, monkeypatch):
     assert counts[0][2] == counts[1000][2]
 
 
+def test_commit_structures_compile_at_once_where_a_fused_kernel_commits(loaded, monkeypatch):
+    """Where the commit's verdict is a fused kernel (one launch a layer: nothing slow to trace),
+    a commit step compiles at its first use whatever ``commit_after`` says."""
+    monkeypatch.setattr(compiled_step.KERNELS, "decided_commit_path", lambda: "cuda-fused")
+    engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch, apc=False, commit_after=1000)
+    request = Request(RequestId("c"), list(range(20, 140)), SamplingParams(max_tokens=300, temperature=0.0,
+                                                                        ignore_eos=True))
+    engine.add_request(request)
+    while engine.has_work():
+        engine.step()
+    assert engine.runner.graphs.eager == 0 and engine.runner.graphs.steps >= 299
+
+
 def test_table_buckets_grow_by_about_a_quarter():
     widths = [table_bucket(n) for n in range(0, 200)]
     assert widths[:7] == [0, 1, 2, 3, 4, 5, 6]
