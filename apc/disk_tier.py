@@ -249,6 +249,8 @@ class DiskTier:
                     header, _ = _header(head + f.read(length))
                 if header.get("key") != path.stem or header.get("stamp") != self.stamp:
                     raise BadFile("header does not match its name")
+            except FileNotFoundError:  # removed since the listing (another process's eviction): not bad
+                continue
             except (OSError, ValueError):
                 self._remove_bad(path)
                 continue
@@ -412,31 +414,27 @@ class DiskTier:
             return
         path = self._path(key)
         tmp = self._usage.tmp_path(key.hex())  # a name of its own: writers of one key never share one
-        reserved = False
         try:
-            self.stats.bytes, removed = self._usage.reserve(len(blob), self.cap_bytes)
-            reserved = True
-            self._forget_removed(removed)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
+            # room made and the file renamed into place under the folder's lock, in one step
+            self.stats.bytes, removed, placed = self._usage.admit(tmp, path, len(blob), self.cap_bytes)
         except OSError as exc:
             self.stats.write_errors += 1
             try:
                 tmp.unlink(missing_ok=True)
-                if reserved:
-                    self._usage.release(len(blob))
             except OSError:
                 pass
             self._disable(f"writing {path.name} failed: {exc}")
             return
+        self._forget_removed(removed)
         with self._lock:
             self._index[key] = (len(blob), _touch(path))
             self._lengths[key] = length
-        self.stats.writes += 1
+        self.stats.writes += placed
         if note is not None and self.on_written is not None:
             self.on_written(note)
 

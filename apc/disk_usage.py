@@ -4,14 +4,19 @@ Several replicas may use one ``--apc-disk-dir``. Each keeps its own index of the
 but the cap is the folder's: the bytes of every process's files count. ``SharedUsage`` keeps the
 folder's total in a small file (``.usage``, 8 bytes) that writers and evictors update under an
 exclusive ``fcntl.flock`` on ``.lock`` (and a thread lock, as flock does not exclude the threads
-of one process). A writer adds its file's bytes before writing it; when the total would pass the
-cap, it scans the folder (the real sizes, whoever wrote them) and removes least recently used
-files (a file's mtime is its last use: readers touch it) down to a low-water mark, so a scan is
-needed once per ``1 - LOW_WATER`` of the cap, not once per write. A process that died between
-adding and writing leaves the total too high, never too low; the next scan corrects it.
+of one process). A writer writes and syncs its file under a temporary name first, then, under the
+lock, makes room and renames it into place in one step (``admit``): every byte the total counts is
+in a block file, so an eviction scan (which sees block files only) never misses another writer's
+write in flight, and the folder never passes its cap. When the total would pass the cap, the scan
+reads the real sizes, whoever wrote them, and removes least recently used files (a file's mtime is
+its last use: readers touch it) down to a low-water mark, so a scan is needed once per
+``1 - LOW_WATER`` of the cap, not once per write. The total is raised before the rename, so a
+process that dies between the two leaves it too high, never too low; the next scan corrects it.
 
 A removed file is never half-read: a reader that opened it first reads it whole (POSIX keeps an
-unlinked file's data for the open descriptor), one that comes after gets a miss.
+unlinked file's data for the open descriptor), one that comes after gets a miss. Temporary files
+are never counted nor scanned: a starting process removes only those of writers that are gone
+(and any older than ``STALE_TMP_S``).
 """
 
 from __future__ import annotations
@@ -62,28 +67,43 @@ class SharedUsage:
             self._write(total)
             return total
 
-    def reserve(self, nbytes: int, cap: int) -> tuple[int, list[Path]]:
-        """Count ``nbytes`` about to be written, first removing least recently used files if the
-        folder would pass ``cap``; returns the new total and the files removed."""
+    def admit(self, tmp: Path, path: Path, nbytes: int, cap: int) -> tuple[int, list[Path], bool]:
+        """Rename the written, synced temporary file ``tmp`` (``nbytes``) to ``path``, first removing
+        least recently used files if the folder would pass ``cap``. Room and rename are one step
+        under the lock. Returns the new total, the files removed, and whether ``tmp`` was placed
+        (False: another process put ``path`` in place meanwhile, and ``tmp`` is dropped)."""
         with self.locked():
-            total = self._read()
-            removed: list[Path] = []
-            if total + nbytes > cap:
-                files = sorted(self._files())  # oldest use first
-                total = sum(size for _, size, _ in files)
-                target = min(int(cap * LOW_WATER), cap - nbytes)
-                for _, size, path in files:
-                    if total + nbytes <= target:
-                        break
-                    try:
-                        path.unlink()
-                    except FileNotFoundError:  # another process took it meanwhile
-                        pass
-                    total -= size
-                    removed.append(path)
-            total += nbytes
-            self._write(total)
+            if path.exists():
+                tmp.unlink(missing_ok=True)
+                return self._read(), [], False
+            total, removed = self._make_room(nbytes, cap)
+            self._write(total + nbytes)  # counted before it lands: a crash leaves the total too high
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                self._write(total)
+                raise
+            return total + nbytes, removed, True
+
+    def _make_room(self, nbytes: int, cap: int) -> tuple[int, list[Path]]:
+        """(the total, the files removed) once ``nbytes`` more fit under ``cap``; under the lock."""
+        total = self._read()
+        removed: list[Path] = []
+        if total + nbytes <= cap:
             return total, removed
+        files = sorted(self._files())  # oldest use first
+        total = sum(size for _, size, _ in files)
+        target = min(int(cap * LOW_WATER), cap - nbytes)
+        for _, size, path in files:
+            if total + nbytes <= target:
+                break
+            try:
+                path.unlink()
+            except FileNotFoundError:  # another process took it meanwhile
+                pass
+            total -= size
+            removed.append(path)
+        return total, removed
 
     def release(self, nbytes: int) -> None:
         """Take ``nbytes`` off the total (a file removed, or a write that did not land)."""
