@@ -82,6 +82,7 @@ class RunReport:
     per_replica: list[dict[str, float]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     notes: str = ""
+    loadavg: str = ""  # the machine's 1/5/15-minute load at the run's end (the cores are shared)
 
 
 def system_prompt(tenant: int, words: int) -> str:
@@ -173,7 +174,8 @@ def report(name: str, results: list[Result], wall: float, before: list[dict[str,
     return RunReport(name, len(results), len(results) - len(ok), round(wall, 1), int(prompt), int(cached),
                      round(cached / prompt, 3) if prompt else 0.0, round(len(ok) / wall, 3),
                      round(prompt / wall, 1), round(statistics.median(ttfts), 3) if ttfts else float("nan"),
-                     round(percentile(ttfts, 0.99), 3), per, [r.error for r in results if r.error][:10], notes)
+                     round(percentile(ttfts, 0.99), 3), per, [r.error for r in results if r.error][:10], notes,
+                     " ".join(machine()["loadavg_at_end"]))
 
 
 async def measure(fleet: Fleet, url: str, args: argparse.Namespace, systems: list[str], name: str,
@@ -199,6 +201,8 @@ async def rolling_restart(fleet: Fleet) -> str:
 
 async def run_router(spec: str, args: argparse.Namespace, systems: list[str], rolling: bool = False) -> RunReport:
     router, policy = spec.split(":")
+    if rolling and args.rolling_users:
+        args = argparse.Namespace(**{**vars(args), "users": args.rolling_users})
     config = FleetConfig(replicas=args.replicas, base_port=args.base_port, events_port=args.events_port,
                          router_port=args.router_port, apc_memory_bytes=args.apc_memory_bytes,
                          log_dir=Path(tempfile.mkdtemp(prefix="kvarn-scale-")), restart_after_s=args.restart_after)
@@ -276,17 +280,21 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="smg:cache_aware,smg:round_robin,vllm-router:kv_aware")
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--tenants", type=int, default=12)
-    parser.add_argument("--users", type=int, default=24)
+    parser.add_argument("--tenants", type=int, default=24)
+    parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-words", type=int, default=300, help="words per system prompt (~3.5 tokens each)")
+    parser.add_argument("--system-words", type=int, default=1250, help="words per system prompt (~1.65 tokens each)")
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=6)
     parser.add_argument("--cache-share", type=float, default=1 / 3, help="of the tenants' prefixes, per replica")
     parser.add_argument("--apc-memory-bytes", type=int, default=None, help="default: measured from --cache-share")
     parser.add_argument("--restart-after", type=float, default=20.0)
     parser.add_argument("--no-rolling", action="store_true")
+    parser.add_argument("--rolling-users", type=int, default=None, help="users of the rolling-restart run "
+                                                                        "(default: --users)")
     parser.add_argument("--no-late-join", action="store_true")
+    parser.add_argument("--append", action="store_true", help="keep the runs already in --out's .json (same "
+                                                               "workload) and add these: one policy per invocation")
     parser.add_argument("--base-port", type=int, default=8301)
     parser.add_argument("--events-port", type=int, default=5701)
     parser.add_argument("--router-port", type=int, default=8300)
@@ -313,9 +321,9 @@ async def main() -> None:
 def markdown(data: dict[str, Any]) -> str:
     """The results file: the command, the workload, the table, the rolling restart and the late join."""
     w, z = data["workload"], data["sizing"]
-    lines = ["# Scale out on CPU: kvarn replicas behind a router (loopback)", "", "```bash", data["command"], "```", "",
+    lines = ["# Scale out on CPU: kvarn replicas behind a router (loopback)", "", "```bash", *data["commands"], "```", "",
              f"{w['replicas']} replicas of the bundled model on one machine of {data['machine']['cores']} cores shared "
-             f"with other work (load average at the end: {' '.join(data['machine']['loadavg_at_end'])}). Workload: "
+             f"with other work (each run's load average at its end in the table). Workload: "
              f"{w['tenants']} tenants (system prompts of {z['prefix_tokens']} tokens with the first question), "
              f"{w['users']} users, {w['turns']} turns each (the prompt is the conversation so far, ChatML, through "
              f"`/v1/completions`, streamed, {w['max_tokens']} tokens out, temperature 0), {w['concurrency']} requests "
@@ -323,12 +331,12 @@ def markdown(data: dict[str, Any]) -> str:
              f"{z['tenants_held_per_replica']} tenants x {z['blocks_per_tenant']} blocks x {z['block_bytes']} bytes "
              f"(a block of {z['block_tokens']} tokens, measured), memory tier only; caches start cold every run.", "",
              "| router | policy | requests | failed | prefix-cache hit rate | req/s | prompt tok/s | TTFT p50 (s) "
-             "| TTFT p99 (s) | wall (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p99 (s) | wall (s) | load 1/5/15 min |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["runs"]:
         router, _, policy = r["name"].partition(" ")
         lines.append(f"| {router} | {policy} | {r['requests']} | {r['failed']} | {r['hit_rate']:.1%} | "
                      f"{r['requests_per_s']:.2f} | {r['prompt_tokens_per_s']:.0f} | {r['ttft_p50_s']:.2f} | "
-                     f"{r['ttft_p99_s']:.2f} | {r['wall_s']:.0f} |")
+                     f"{r['ttft_p99_s']:.2f} | {r['wall_s']:.0f} | {r.get('loadavg', '')} |")
     by_name = {r["name"]: r for r in data["runs"]}
     rr = by_name.get("smg round_robin")
     if rr and rr["hit_rate"]:
@@ -361,14 +369,28 @@ def markdown(data: dict[str, Any]) -> str:
 def write(args: argparse.Namespace, sizing: dict[str, Any], runs: list[RunReport], late: dict[str, Any] | None,
           routing: dict[str, Any] | None) -> None:
     command = "python bench/scale_out.py " + " ".join(sys.argv[1:])
-    data = {"command": command.strip(), "workload": {k: v for k, v in vars(args).items() if k != "out"},
-            "sizing": sizing, "runs": [asdict(r) for r in runs], "late_join": late, "kv_aware_affinity": routing,
-            "machine": machine()}
+    workload = {k: v for k, v in vars(args).items() if k not in ("out", "append", "runs", "no_rolling", "no_late_join")}
+    data = {"commands": [command.strip()], "workload": workload, "sizing": sizing, "runs": [asdict(r) for r in runs],
+            "late_join": late, "kv_aware_affinity": routing, "machine": machine()}
     out = Path(args.out)
+    if args.append and out.with_suffix(".json").exists():
+        data = merged(json.loads(out.with_suffix(".json").read_text()), data)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(data))
     print(markdown(data))
+
+
+def merged(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """The runs of an earlier invocation with this one's added (its workload must be the same)."""
+    if before.get("workload") != now["workload"]:
+        raise SystemExit(f"--append: {now['workload']} is not the workload of the runs in the file "
+                         f"({before.get('workload')})")
+    names = {r["name"] for r in now["runs"]}
+    return {**now, "commands": before.get("commands", []) + now["commands"],
+            "runs": [r for r in before["runs"] if r["name"] not in names] + now["runs"],
+            "late_join": now["late_join"] or before.get("late_join"),
+            "kv_aware_affinity": now["kv_aware_affinity"] or before.get("kv_aware_affinity")}
 
 
 def machine() -> dict[str, Any]:
