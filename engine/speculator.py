@@ -1,8 +1,9 @@
 """The speculator: which decoding rows verify drafts this step, and how many tokens each.
 
 After the scheduler plans a step, ``plan_drafts`` asks the proposer for drafts for the rows that
-may speculate and puts them on the plan (``StepPlan.drafts``); the model runner verifies them
-(``engine/verify.py``) and ``observe`` counts what was accepted. A row speculates only if
+may speculate, keeps what is worth its cost and puts it on the plan (``StepPlan.drafts``); the
+model runner verifies them (``engine/verify.py``) and ``observe`` learns from what was accepted
+and what the step cost. A row may speculate only if
 
 - the request allows it (``SamplingParams.speculative``), is not under a grammar (its matcher
   masks one position at a time on a worker thread: verifying k + 1 positions would walk the
@@ -10,15 +11,26 @@ may speculate and puts them on the plan (``StepPlan.drafts``); the model runner 
   presence/frequency penalty (each position's penalty depends on the drafts before it);
 - its storage can drop rejected tokens and has room (``kvarn.rows.verify_room``: a KVarN row's
   verify stays inside its current tile), and ``max_tokens`` and the context leave room;
-- its acceptance has not stayed low: per row, an average of accepted / proposed over its recent
-  verifies; below ``min_acceptance`` after ``min_verifies`` the row stops proposing for
-  ``backoff`` steps, doubled each time it fails again;
 - the step is not compute-bound: with more than ``max_batch`` decoding rows nobody speculates
   (a wide batch already fills the matmuls; extra positions would only slow it).
+
+How long a draft (``choose_length``, with ``adaptive``): a verify of T tokens a row costs more
+than a one-token step, and every row of the batch pays for the longest draft (rows are padded to
+it). Each draft token is kept with a probability ``p`` estimated per row (``Acceptance``):
+evidence per matched-suffix length (longer matches hold longer), shared by every row, blended
+with the row's own recent verifies, which fade step by step (a row that keeps rejecting drafts
+nothing until its evidence fades or a longer match comes). The step drafts D tokens (one of
+``DRAFT_SIZES``: few graph shapes) where the expected tokens per cost
+
+    (B + sum over rows of p + p^2 + ... + p^min(len, D)) / cost(B rows, 1 + D tokens)
+
+beat B, the one-token step; else nobody drafts. ``StepCosts`` measures cost(B, T) / cost(B, 1)
+from the steps themselves (a prior until it has seen both).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,14 +40,23 @@ from engine.proposers import Ask, Draft, NgramProposer, Proposer
 from engine.request import Request, RequestId
 from engine.step_types import StepPlan, StepResult
 
-EMA = 0.5  # weight of a row's newest verify in its acceptance average
 METHODS = ("ngram", "draft")
+DRAFT_SIZES = (1, 2, 4, 8)  # draft lengths a step uses (with k): each is a compiled graph shape
+MATCH_BUCKETS = 8  # matched-suffix lengths told apart by the acceptance evidence (longer: the last)
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # a fresh match length's evidence: one in two kept
+SHARED_DECAY = 0.98  # weight of the shared evidence's past at each new verify
+ROW_FADE = 0.9  # weight of a row's own evidence after each step
+ROW_WEIGHT = 4.0  # the shared evidence counts as this many draft tokens beside the row's own
+VERIFY_FIXED, VERIFY_PER_TOKEN = 0.2, 0.1  # prior: cost(B, T) / cost(B, 1) = 1 + fixed + per token
+COST_SMOOTHING = 0.2  # weight of a step's newest wall time in its (rows, tokens) average
+COST_TRUST = 8  # measured steps after which a ratio no longer leans on the prior
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, in plain values (``--speculative``, ``--num-speculative-tokens``,
-    ``--speculative-ngram-min``/``-max``, ``--speculative-max-batch``, ``--draft-model``)."""
+    ``--speculative-ngram-min``/``-max``, ``--speculative-max-batch``, ``--draft-model``).
+    ``adaptive`` False drafts every proposal whole (up to ``num_tokens``), whatever it costs."""
 
     method: str = "ngram"  # prompt lookup; "draft": a draft model (``draft_model``: its folder)
     num_tokens: int = 4
@@ -44,9 +65,7 @@ class SpecConfig:
     max_batch: int = 8
     draft_model: str | None = None
     proposer: Any = None  # a ``Proposer`` of the embedding code's own (None: the method's)
-    min_acceptance: float = 0.3
-    min_verifies: int = 4
-    backoff: int = 16
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,13 +86,119 @@ class SpecConfig:
 
 
 @dataclass
-class RowStats:
-    """A row's acceptance: average of accepted / proposed, verifies, and its pause."""
+class Evidence:
+    """Draft tokens kept (``hits``) out of draft tokens tried (``trials``: each kept one, and the
+    first rejected one of a verify; tokens after it were never tried), both decaying."""
 
-    rate: float = 1.0
-    verifies: int = 0
-    paused_until: int = 0
-    backoff: int = 0
+    hits: float = 0.0
+    trials: float = 0.0
+
+    def add(self, accepted: int, drafted: int, keep: float = 1.0) -> None:
+        self.hits = self.hits * keep + accepted
+        self.trials = self.trials * keep + accepted + (accepted < drafted)
+
+    def fade(self, keep: float) -> None:
+        self.hits *= keep
+        self.trials *= keep
+
+
+@dataclass
+class RowState:
+    """A row's own acceptance evidence, the step it was last faded at, and its last draft's
+    matched-suffix bucket (what ``observe`` credits)."""
+
+    evidence: Evidence = field(default_factory=Evidence)
+    step: int = 0
+    bucket: int = 0
+
+
+class Acceptance:
+    """Estimates of ``p``, the probability that a draft token is kept given those before it were:
+    shared evidence per matched-suffix bucket (0: drafts without a match length), and per row."""
+
+    def __init__(self) -> None:
+        self.shared = [Evidence(PRIOR_HITS, PRIOR_TRIALS) for _ in range(MATCH_BUCKETS + 1)]
+        self.rows: dict[RequestId, RowState] = {}
+        self.seen: set[int] = set()
+
+    def row(self, request_id: RequestId, step: int) -> RowState:
+        """The row's state, its evidence faded up to ``step``."""
+        state = self.rows.setdefault(request_id, RowState(step=step))
+        if state.step < step:
+            state.evidence.fade(ROW_FADE ** (step - state.step))
+            state.step = step
+        return state
+
+    def rate(self, state: RowState, bucket: int) -> float:
+        shared = self.shared[bucket]
+        own = state.evidence
+        return (ROW_WEIGHT * shared.hits / shared.trials + own.hits) / (ROW_WEIGHT + own.trials)
+
+    def best_rate(self, state: RowState) -> float:
+        """The row's ``p`` under the best match it may yet see: every bucket verified so far and,
+        unless its proposer gives no match lengths (only bucket 0 seen), the longest, which a
+        strong match may reach."""
+        buckets = self.seen if self.seen == {0} else self.seen | {MATCH_BUCKETS}
+        return max(self.rate(state, b) for b in buckets)
+
+    def observe(self, state: RowState, accepted: int, drafted: int) -> None:
+        self.shared[state.bucket].add(accepted, drafted, SHARED_DECAY)
+        self.seen.add(state.bucket)
+        state.evidence.add(accepted, drafted)
+
+
+def bucket_of(draft: Draft) -> int:
+    return min(draft.match, MATCH_BUCKETS)
+
+
+class StepCosts:
+    """cost(B, T) / cost(B, 1): a step of B decoding rows, the longest writing T tokens, against
+    the same rows writing one. Measured as each (row bucket, T)'s average wall time, from
+    ``plan_drafts`` to ``observe`` of steps without prompt chunks; leaning on the prior
+    1 + ``VERIFY_FIXED`` + ``VERIFY_PER_TOKEN`` * (T - 1) * (B + 2) / 3 until both are seen
+    (``COST_TRUST`` steps to stand alone). Never below 1: more tokens never make a step cheaper."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[tuple[int, int], float] = {}
+        self.counts: dict[tuple[int, int], int] = {}
+
+    def ratio(self, rows: int, tokens: int) -> float:
+        if tokens <= 1:
+            return 1.0
+        prior = 1 + VERIFY_FIXED + VERIFY_PER_TOKEN * (tokens - 1) * (rows + 2) / 3
+        b = _row_bucket(rows)
+        base, longer = (b, 1), (b, tokens)
+        if base not in self.seconds or longer not in self.seconds:
+            return prior
+        n = min(self.counts[base], self.counts[longer], COST_TRUST)
+        measured = self.seconds[longer] / self.seconds[base]
+        return max(1.0, (n * measured + (COST_TRUST - n) * prior) / COST_TRUST)
+
+    def add(self, rows: int, tokens: int, seconds: float) -> None:
+        key = (_row_bucket(rows), tokens)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else (1 - COST_SMOOTHING) * old + COST_SMOOTHING * seconds
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+def _row_bucket(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()  # 1, 2, 4, 8, ...
+
+
+def choose_length(rates: list[float], lengths: list[int], rows: int, costs: StepCosts, sizes: tuple[int, ...]) -> int:
+    """The draft length D (0: none) that maximizes expected tokens per cost for a step of ``rows``
+    decoding rows, of which some hold drafts of ``lengths`` tokens with per-token ``rates``."""
+    best, best_value = 0, float(rows)
+    for size in sizes:
+        if size > max(lengths):
+            break
+        gain = 0.0
+        for p, n in zip(rates, lengths):
+            gain += sum(p ** j for j in range(1, min(n, size) + 1))
+        value = (rows + gain) / costs.ratio(rows, 1 + size)
+        if value > best_value:
+            best, best_value = size, value
+    return best
 
 
 @dataclass
@@ -93,9 +218,12 @@ class Speculator:
     proposer: Proposer
     context_length: int
     max_step_tokens: int
-    rows: dict[RequestId, RowStats] = field(default_factory=dict)
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    costs: StepCosts = field(default_factory=StepCosts)
     counters: SpecCounters = field(default_factory=SpecCounters)
     steps: int = 0
+    clock: Callable[[], float] = time.perf_counter
+    _timing: tuple[int, int, float] | None = None  # the step in flight: (rows, tokens a row, start)
 
     def may_speculate(self, requests: list[Request]) -> bool:
         """Whether a step of these decoding rows could verify drafts (async scheduling then does
@@ -107,40 +235,77 @@ class Speculator:
         """``plan`` with drafts for the decoding rows that speculate (``room(id)``: tokens the
         row's storage takes in one verify)."""
         self.steps += 1
+        self._timing = None
         if not plan.decodes:
             return plan
         if len(plan.decodes) > self.config.max_batch:
             self.counters.wide_steps += 1
             return plan
-        budget = self.max_step_tokens - plan.num_tokens
+        asks = self._asks(plan, requests, room)
+        drafts = self.proposer.propose(asks) if asks else {}
+        if drafts and self.config.adaptive:
+            drafts = self._worth_it(drafts, len(plan.decodes))
+        if not plan.prefills:
+            tokens = 1 + max((len(d.tokens) for d in drafts.values()), default=0)
+            self._timing = (len(plan.decodes), tokens, self.clock())
+        if not drafts:
+            return plan
+        for request_id, draft in drafts.items():
+            self.acceptance.row(request_id, self.steps).bucket = bucket_of(draft)
+        return replace(plan, drafts={i: d.tokens for i, d in drafts.items()},
+                       draft_probs={i: d.probs for i, d in drafts.items() if d.probs is not None})
+
+    def _asks(self, plan: StepPlan, requests: Mapping[RequestId, Request],
+              room: Callable[[RequestId], int]) -> list[Ask]:
+        """The rows that may draft this step, each with the most tokens it may verify; with
+        ``adaptive``, only rows whose best estimate could pay for a one-token draft."""
+        budget, rows, sizes = self.max_step_tokens - plan.num_tokens, len(plan.decodes), self._sizes()
         asks = []
         for request_id in plan.decodes:
             request = requests[request_id]
             if not self._eligible(request):
                 continue
+            if self.config.adaptive:  # hopeless even if every row drafted as well as this one could
+                rate = self.acceptance.best_rate(self.acceptance.row(request_id, self.steps))
+                if choose_length([rate] * rows, [sizes[-1]] * rows, rows, self.costs, sizes) == 0:
+                    continue
             done = request.num_prompt_tokens + len(request.output_ids)
             k = min(self.config.num_tokens, room(request_id) - 1, budget,
                     request.params.max_tokens - len(request.output_ids) - 1, self.context_length - done - 1)
             if k >= 1:
                 asks.append(Ask(request, k))
                 budget -= k
-        if not asks:
-            return plan
-        drafts = self.proposer.propose(asks)
-        if not drafts:
-            return plan
-        return replace(plan, drafts={i: d.tokens for i, d in drafts.items()},
-                       draft_probs={i: d.probs for i, d in drafts.items() if d.probs is not None})
+        return asks
+
+    def _worth_it(self, drafts: dict[RequestId, Draft], rows: int) -> dict[RequestId, Draft]:
+        """The drafts cut to the step's length (``choose_length``), each to a size of
+        ``DRAFT_SIZES`` (the verify's shape is one of few); none where drafting does not pay."""
+        sizes = self._sizes()
+        lengths = {i: max(n for n in sizes if n <= len(d.tokens)) for i, d in drafts.items()}
+        rates = [self.acceptance.rate(self.acceptance.row(i, self.steps), bucket_of(d)) for i, d in drafts.items()]
+        size = choose_length(rates, list(lengths.values()), rows, self.costs, sizes)
+        if size == 0:
+            return {}
+        out = {}
+        for request_id, draft in drafts.items():
+            n = max(m for m in sizes if m <= min(lengths[request_id], size))
+            probs = None if draft.probs is None else draft.probs[:n]
+            out[request_id] = Draft(draft.tokens[:n], probs, draft.match)
+        return out
+
+    def _sizes(self) -> tuple[int, ...]:
+        return tuple(n for n in DRAFT_SIZES if n < self.config.num_tokens) + (self.config.num_tokens,)
 
     def _eligible(self, request: Request) -> bool:
         params = request.params
-        if not params.speculative or params.constraint is not None or params.has_penalties:
-            return False
-        stats = self.rows.get(request.request_id)
-        return stats is None or stats.paused_until <= self.steps
+        return params.speculative and params.constraint is None and not params.has_penalties
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
-        """Count each verify's accepted drafts; pause rows whose acceptance stays low."""
+        """Count each verify's accepted drafts and learn from them; time the step."""
+        if self._timing is not None and not result.failed:
+            rows, tokens, start = self._timing
+            self.costs.add(rows, tokens, self.clock() - start)
+        self._timing = None
         for request_id, drafts in plan.drafts.items():
             if request_id not in result.sampled:
                 continue
@@ -149,16 +314,10 @@ class Speculator:
             self.counters.proposed += len(drafts)
             self.counters.accepted += accepted
             self.counters.verifies += 1
-            stats = self.rows.setdefault(request_id, RowStats())
-            stats.rate = (1 - EMA) * stats.rate + EMA * accepted / len(drafts)
-            stats.verifies += 1
-            if stats.verifies >= self.config.min_verifies and stats.rate < self.config.min_acceptance:
-                stats.backoff = stats.backoff * 2 if stats.backoff else self.config.backoff
-                stats.paused_until = self.steps + stats.backoff
-                stats.verifies, stats.rate = 0, self.config.min_acceptance  # a fresh trial after the pause
+            self.acceptance.observe(self.acceptance.row(request_id, self.steps), accepted, len(drafts))
 
     def forget(self, request_id: RequestId) -> None:
-        self.rows.pop(request_id, None)
+        self.acceptance.rows.pop(request_id, None)
         self.proposer.forget(request_id)
 
     def describe(self) -> dict[str, object]:

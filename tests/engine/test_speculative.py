@@ -101,7 +101,7 @@ def test_greedy_tokens_equal_decoding_without_speculation(loaded, prompts, basel
     """Three rows verifying as one batch: ngram drafts, recorded continuations (all accepted,
     verifies up to each tile's last position but one, which decodes alone) and drafts wrong after
     their first token (a rejection at every verify, next to every tile's end too)."""
-    engine = make_engine(loaded, CONFIG, LAYOUTS[layout], NO_APC, SpecConfig(min_verifies=10 ** 6))
+    engine = make_engine(loaded, CONFIG, LAYOUTS[layout], NO_APC, SpecConfig(adaptive=False))
     if proposer != "ngram":
         book = {tuple(p): out for p, out in zip(prompts, baselines[layout])}
         engine.speculator.proposer = Replay(book, wrong_after=1 if proposer == "replay-wrong" else None)
@@ -124,7 +124,7 @@ def test_greedy_equal_with_kvarn_windows(loaded, prompts):
     kv = KVConfig("kvarn", 4, 2, max_kv_size=256)
     want = [r.output_ids for r in generate(make_engine(loaded, CONFIG, kv, NO_APC), prompts, greedy(80))]
     for wrong_after in (None, 2):
-        engine = make_engine(loaded, CONFIG, kv, NO_APC, SpecConfig(min_verifies=10 ** 6))
+        engine = make_engine(loaded, CONFIG, kv, NO_APC, SpecConfig(adaptive=False))
         engine.speculator.proposer = Replay({tuple(p): o for p, o in zip(prompts, want)}, wrong_after)
         assert [r.output_ids for r in generate(engine, prompts, greedy(80))] == want
         assert engine.speculator.counters.verifies > 0
@@ -136,7 +136,7 @@ def test_greedy_equal_with_kvarn_windows(loaded, prompts):
 def test_forks_and_prefix_cache_hits_verify_to_the_same_tokens(loaded, prompts, baselines, layout):
     """n = 3 choices of one prompt forked at its end, then the same prompt again restored from the
     prefix cache: every choice's greedy tokens are the ones decoded alone without speculation."""
-    engine = make_engine(loaded, CONFIG, LAYOUTS[layout], ApcConfig(), SpecConfig(min_verifies=10 ** 6))
+    engine = make_engine(loaded, CONFIG, LAYOUTS[layout], ApcConfig(), SpecConfig(adaptive=False))
     engine.speculator.proposer = Replay({tuple(p): o for p, o in zip(prompts, baselines[layout])}, wrong_after=2)
     prompt = prompts[2]
     parent = Request(RequestId("p"), list(prompt), greedy())
@@ -159,14 +159,14 @@ def test_seeded_sampling_and_logprobs_match_decoding_without_speculation(loaded,
     params = [SamplingParams(max_tokens=48, temperature=0.7, seed=11 + i, logprobs=True, top_logprobs=3)
               for i in range(len(prompts))]
     plain = generate(make_engine(loaded, CONFIG, LAYOUTS["fp16"], NO_APC), prompts, params)
-    engine = make_engine(loaded, CONFIG, LAYOUTS["fp16"], NO_APC, SpecConfig(min_verifies=10 ** 6))
+    engine = make_engine(loaded, CONFIG, LAYOUTS["fp16"], NO_APC, SpecConfig(adaptive=False))
     engine.speculator.proposer = Replay({tuple(p): r.output_ids for p, r in zip(prompts, plain)}, wrong_after=3)
     spec = generate(engine, prompts, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     assert engine.speculator.counters.accepted > 0
     greedy_lp = greedy(40, logprobs=True, top_logprobs=3)
     outputs = {}
-    for arm, spec_config in (("plain", None), ("spec", SpecConfig(min_verifies=10 ** 6))):
+    for arm, spec_config in (("plain", None), ("spec", SpecConfig(adaptive=False))):
         engine = make_engine(loaded, CONFIG, LAYOUTS["kvarn-k4v2"], NO_APC, spec_config)
         if spec_config is not None:
             engine.speculator.proposer = Replay({tuple(prompts[0]): outputs["plain"][0]}, wrong_after=2)
@@ -221,12 +221,35 @@ def test_rows_that_must_not_speculate_decode_as_usual(loaded, prompts):
     assert all(len(r.output_ids) == 12 for r in wide)
 
 
-def test_a_row_whose_drafts_are_rejected_stops_proposing(loaded, prompts):
-    """Drafts that are always wrong: after ``min_verifies`` verifies the row pauses for
-    ``backoff`` steps (doubled at each failed retry), so most of its steps decode plainly."""
-    engine = make_engine(loaded, CONFIG, LAYOUTS["fp16"], NO_APC, SpecConfig(min_verifies=3, backoff=8))
+def test_a_row_whose_drafts_are_rejected_stops_drafting(loaded, prompts):
+    """Drafts that are always wrong: the row's evidence soon says a draft does not pay for its
+    verify, so most of its steps decode plainly; its state goes with it when it ends."""
+    engine = make_engine(loaded, CONFIG, LAYOUTS["fp16"], NO_APC, SpecConfig())
     engine.speculator.proposer = Replay({tuple(prompts[0]): [5] * 200}, wrong_after=0)
     request = generate(engine, prompts[:1], greedy(60))[0]
     counters = engine.speculator.counters
-    assert counters.accepted == 0 and 3 <= counters.verifies <= 9
+    assert counters.accepted == 0 and 1 <= counters.verifies <= 12
     assert len(request.output_ids) == 60
+    assert engine.speculator.acceptance.rows == {}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_adaptive_lookup_drafts_gives_the_same_greedy_tokens(loaded, prompts, baselines, layout):
+    """Prompt lookup with adaptive draft lengths (up to 8 tokens, suffixes up to 8): the tokens
+    are those decoded without speculation, drafts are cut to the step's sizes, and every row's
+    state is freed with the row."""
+    engine = make_engine(loaded, CONFIG, LAYOUTS[layout], NO_APC, SpecConfig(num_tokens=8, ngram_max=8))
+    lengths = []
+    original = engine.speculator.plan_drafts
+
+    def spy(plan, requests, room):
+        planned = original(plan, requests, room)
+        lengths.extend(len(d) for d in planned.drafts.values())
+        return planned
+
+    engine.speculator.plan_drafts = spy
+    got = [r.output_ids for r in generate(engine, prompts, greedy())]
+    assert got == baselines[layout]
+    assert engine.speculator.counters.verifies > 0 and set(lengths) <= {1, 2, 4, 8}
+    assert engine.speculator.acceptance.rows == {}
+    assert_pool_empty(engine)
