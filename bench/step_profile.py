@@ -13,8 +13,8 @@ times, in three modes:
 * ``plain``: each step's wall time split into Python graph build (the model forward),
   ``mx.async_eval`` (MLX walks the graph and launches its kernels: on CUDA the host's launch
   work happens here) and the rest (sampling, the final eval, reading tokens back);
-* ``synced``: the same steps with an ``mx.eval`` after each layer's KV work, timing the phases
-  alone (each timing = its own launches + GPU time + one sync): the window writes, the commit's
+* ``synced`` (an ``-eager`` arm: a compiled step's phases cannot be timed apart): the same steps
+  with an ``mx.eval`` after each layer's KV work, timing the phases alone (each timing = its own launches + GPU time + one sync): the window writes, the commit's
   tile gather, the quantizer, the record writes, and the attention. A sync per phase costs
   ~20-50 us itself, so the total is larger than the plain step; what matters is which phase grows
   in the commit step;
@@ -49,8 +49,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvarn.paged_batch as paged_batch  # noqa: E402
-import kvarn.paged_step as paged_step  # noqa: E402
+import kvarn.decode_graph as decode_graph  # noqa: E402
 import kvarn.pool as pool_mod  # noqa: E402
 from bench.device_engine import TILE, Recorder, arm_config, build_model, environment, log  # noqa: E402
 from engine.bench import _prompt  # noqa: E402
@@ -86,10 +85,6 @@ class Phases:
                 return out
             return wrapper
 
-        def layer_arrays(args):
-            view0 = args[0][0]
-            return view0.row.pool.layers[view0.l].arrays()
-
         def patch(obj, attr, wrapper):
             self._orig.append((obj, attr, getattr(obj, attr)))
             setattr(obj, attr, wrapper)
@@ -97,12 +92,12 @@ class Phases:
         patch(pool_mod.KVarNPool, "write_records",
               timed("write_records", pool_mod.KVarNPool.write_records,
                     lambda out, args: list(args[0].layers[args[1]].records.values())))
-        patch(paged_step, "quantize_window_tails",
-              timed("quantize", paged_step.quantize_window_tails, lambda out, args: list(out.values())))
-        patch(paged_batch, "decode_update",
-              timed("update_total", paged_batch.decode_update, lambda out, args: layer_arrays(args)))
-        patch(paged_batch, "decode_attention",
-              timed("attention", paged_batch.decode_attention, lambda out, args: [out]))
+        patch(decode_graph, "quantize_window_tails",
+              timed("quantize", decode_graph.quantize_window_tails, lambda out, args: list(out.values())))
+        patch(decode_graph.PagedStepLayer, "update_and_fetch",
+              timed("update_total", decode_graph.PagedStepLayer.update_and_fetch, lambda out, args: args[0].arrays()))
+        patch(decode_graph.PagedStepLayer, "attend",
+              timed("attention", decode_graph.PagedStepLayer.attend, lambda out, args: [out]))
 
     def uninstall(self) -> None:
         for obj, attr, fn in reversed(self._orig):

@@ -9,10 +9,11 @@ cache the model passes, by capability: a storage that attends its own way has
 named here:
 
 - ``kvarn.paged.PagedLayer.attend``: one KVarN row's prompt chunk (``kvarn.chunk_attention``) or
-  lone decode token; ``kvarn.paged_batch.PagedBatch.attend``: a whole decode batch in one graph
-  (``kvarn.paged_attention``);
-- ``kvarn.slots.SlotBatch.attend``: the baselines' decode batch (the fused ragged kernel where the
-  device has it, one call per deep row where that is faster, else ``default``);
+  lone decode token; a decode step's layer (``kvarn.decode_graph.PagedStepLayer.attend``, also
+  behind ``kvarn.paged.PagedBatch``): a whole decode batch in one graph (``kvarn.paged_attention``);
+- ``kvarn.slot_step.SlotStepLayer.attend`` (also behind ``kvarn.slots.SlotBatch``): the
+  baselines' decode batch (the fused ragged kernel where the device has it, one call per deep row
+  where that is faster, else ``default``);
 - ``kvarn.batch.BatchRows.attend``: other rows batched together, each row through ``dispatch``;
 - any other cache: ``default``, mlx-lm's own function (affine codes dequantized first where MLX
   lacks their ``quantized_matmul`` kernels, CUDA).

@@ -1,8 +1,8 @@
 """Rows of one layer in one forward, each attending its own cache: the generic batch.
 
-Rows in the KVarN pool and in the baselines' slots decode through batches of their own (one
-graph per layer: ``kvarn.paged_batch.PagedBatch``, ``kvarn.slots.SlotBatch``; ``kvarn.rows``
-picks). ``BatchRows`` serves every other cache (sliding windows, rotating windows, rows made
+Rows in the KVarN pool and in the baselines' slots decode through batches of their own, which
+their storage's one decode step runs (``kvarn.paged.PagedBatch``, ``kvarn.slots.SlotBatch``;
+``kvarn.rows`` picks). ``BatchRows`` serves every other cache (sliding windows, rotating windows, rows made
 outside the engine), and ``ChunkRows`` runs several rows' prompt chunks in one forward. The
 batch only points at the rows' caches:
 

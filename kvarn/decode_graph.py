@@ -1,53 +1,57 @@
-"""A decode step as one pure function of arrays, so that it can run under ``mx.compile``.
+"""A decode step as one pure function of arrays, so that it can run under ``mx.compile``; the KVarN
+pool's decode step.
 
-A decode step of a batch (``kvarn.paged_batch.PagedBatch`` rows in the KVarN pool, or
-``kvarn.slots.SlotBatch`` rows in the baselines' slots) splits into three parts:
+The one decode write and attention of each storage: rows in the KVarN pool (``kvarn.paged``:
+``PagedStepLayer`` here) and rows in the baselines' slots (``kvarn.slot_step.SlotStepLayer``). A
+step splits into three parts:
 
     plan      host, once a step    which window, position and block each row writes; which tiles
-                                   commit; block tables; validity masks (``paged_plan``, ``slot_plan``)
+                                   commit; block tables; validity masks (``paged_plan``,
+                                   ``kvarn.slot_step.slot_plan``)
     graph     arrays only          every layer's write, commit and attention inside the model's
                                    forward, reading the plan's arrays and the storage's arrays and
-                                   returning the storage's new arrays (``DecodePlan.caches`` /
-                                   ``DecodePlan.written``)
+                                   returning the storage's new arrays (``DecodePlan.build`` /
+                                   ``written``)
     finish    host, after          the storage takes the new arrays; rows advance (offsets, tails)
 
 Everything that varies from step to step is an input array; what the graph is specialised on
 is the plan's ``static`` part: rows padded to a bucket (1, 2, 4, 8, ...), block tables padded to
 a width bucket, the number of commits padded to a bucket, where the batch's windows or slots
 start, the storage's shapes. So one compiled graph serves every step of the same bucket
-(``engine/compiled_step.py`` keeps them). Padding rows decode token 0 at position 0, write to
+(``engine/forward.py: DecodeGraphs`` keeps them). Padding rows decode token 0 at position 0, write to
 the pool's reserved pad window (id 0; slots: a stale position of a slot inside the batch's
 slice, which its own row rewrites before reading) and attend one valid position; a padding
 commit quantizes the pad window into the pad block (id 0, never read unmasked). Their outputs
 are never read.
 
-Where a fused decode kernel attends (``metal.KERNELS``: the paged one for KVarN rows, the ragged
-one for fp16 slots), the plan also holds its launch plan at a fixed size (the same number of work
-items for every row, from the shapes alone: ``metal.paged_plan.static_plan``,
-``metal.cuda.ragged_decode.static_plan``), so the kernel runs inside the compiled graph. Slot rows
-on a GPU without the ragged kernel attend row by row and run through their caches' own
-``update_and_fetch``/``attend`` (``plan_decode`` returns None).
+A model run through its caches itself (a lone row's decode token or a one-token prompt chunk
+through ``PagedLayer``, a model with layers of their own through ``PagedBatch``) takes the same
+step one layer at a time, unpadded and uncompiled (``decode_write``: the plan made once a forward).
+
+Where the fused paged decode kernel attends (``metal.KERNELS``), the plan also holds its launch
+plan at a fixed size (the same number of work items for every row, from the shapes alone:
+``metal.paged_plan.static_plan``), so the kernel runs inside the compiled graph.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from kvarn.layout import KVLayout
 from kvarn.paged_attention import decode_attention_over, fused_attention
-from kvarn.paged_step import advance, place_windows, plan_step, rounded
-from kvarn.pool import PAD, RECORD_FIELDS, LayerArrays, quantize_window_tails
-from kvarn.slot_attention import attends_per_row, fused_decode_available
+from kvarn.pool import PAD, RECORD_FIELDS, STORE_DTYPE, LayerArrays, quantize_window_tails
+from kvarn.quantize import rotate
+from kvarn.step import step_of
 from metal import KERNELS
 from metal.paged_plan import DecodePlan as KernelPlan
 from metal.paged_plan import static_plan, static_splits
-from metal.cuda.ragged_decode import planned_attention as ragged_planned
-from metal.cuda.ragged_decode import static_plan as ragged_plan
-from metal.cuda.ragged_decode import static_splits as ragged_splits
+
+if TYPE_CHECKING:  # annotations only: ``kvarn.paged`` imports this module
+    from kvarn.paged import PagedLayer, PagedRow
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 COMMIT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -97,40 +101,63 @@ def written(caches: Sequence[Any]) -> list[mx.array]:
 
 # --- the KVarN pool ---------------------------------------------------------------------------
 
-def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan | None:
-    """The step of ``batches`` (one ``PagedBatch`` per layer, the same rows in each) planned as
-    arrays, or None where a fused kernel attends (it plans from host integers). ``counts``: the
-    tokens each row writes this step (default one each; a row verifying drafts writes its last
-    token and its drafts, all inside its tile: ``PagedRow.verify_room``; a windowed row writes one)."""
-    views0 = batches[0].rows
-    pool, layout = views0[0].row.pool, views0[0].layout
+def rounded(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """Keys or values rotated and rounded to float16 (the contract), held in the window's dtype."""
+    out = rotate(x.astype(mx.float32)).astype(STORE_DTYPE)
+    return out if dtype == STORE_DTYPE else out.astype(dtype)
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """One decode step of paged rows, planned once for every layer (host work): ``static`` and
+    ``inputs`` as ``DecodePlan``'s, ``commit_rows`` the rows whose tail fills, ``counts`` the
+    tokens each row (padding rows included) writes; ``rows`` real rows, ``padded`` with padding."""
+
+    static: tuple
+    inputs: dict[str, mx.array]
+    commit_rows: tuple[int, ...]
+    counts: tuple[int, ...]
+    rows: int
+    padded: int
+
+
+def plan_paged(views: Sequence[PagedLayer], heads: Sequence[tuple[int, int] | None], pad: bool = True,
+               counts: Sequence[int] | None = None) -> PagedStep | None:
+    """The step of rows at these views' offsets (one layer's views; one table serves every layer)
+    as arrays, for layers of these (heads, head_dim): windows placed, blocks taken for the tiles
+    that fill, windowed rows' dropped records let go. None where the fused kernel attends and a
+    row writes several tokens (it attends one position a row). ``pad`` False: exact sizes and the
+    rows' windows up to their longest (a step run once, uncompiled)."""
+    pool, layout = views[0].row.pool, views[0].layout
     fused = fused_attention()  # the fused kernel attends: its launch plan is made here, of a fixed size
-    counts = list(counts) if counts is not None else [1] * len(views0)
+    counts = list(counts) if counts is not None else [1] * len(views)
     if fused and max(counts) > 1:
-        return None  # the kernel attends one position a row: verifies run in a chunk forward
-    if any(n > 1 and (v.row.max_kv_size is not None or v.row.verify_room() < n) for v, n in zip(views0, counts)):
+        return None
+    if any(n > 1 and (v.row.max_kv_size is not None or v.row.verify_room() < n) for v, n in zip(views, counts)):
         raise ValueError("a row writes several tokens in a decode step only inside its tile, unwindowed")
-    place_windows([v.row for v in views0])
-    before = [(v.offset, v.tail_len) for v in views0]
-    index = plan_step(views0)
-    B, G, T = len(views0), layout.tile_size, max(counts)
+    place_windows([v.row for v in views])
+    B, G, T = len(views), layout.tile_size, max(counts)
+    before = [v.offset for v in views]
+    write_pos, commits, blocks, sink_len, tail_len, kept = _host_plan(views)
+    num_tiles = [len(k) for k in kept]  # records in each row's table row (a windowed row's start mid-sequence)
+    slots = [v.row.slot for v in views]
+    consecutive = slots == list(range(slots[0], slots[0] + B))
     Bp = (bucket(B, ROW_BUCKETS) or B) if pad else B
-    lo = min(index.lengths.slots)
-    consecutive = isinstance(index.windows, tuple)
-    if not consecutive or lo + Bp > pool.windows.capacity:
-        Bp = B if consecutive and lo + B <= pool.windows.capacity else Bp
-    slice_lo = lo if consecutive and lo + Bp <= pool.windows.capacity else None
-    L = index.lengths
-    nb = max(L.num_tiles, default=0)
+    if not consecutive or slots[0] + Bp > pool.windows.capacity:
+        Bp = B if consecutive and slots[0] + B <= pool.windows.capacity else Bp
+    slice_lo = slots[0] if consecutive and slots[0] + Bp <= pool.windows.capacity else None
+    nb = max(num_tiles, default=0)
     nbp = table_bucket(nb) if pad else nb
-    C = len(index.commit_rows)
+    C = len(commits)
     Cp = (bucket(C, COMMIT_BUCKETS) or C) if pad else C
+    # the windows' first W tokens are read: 2G in a graph, else up to the longest row's last valid one
+    W = 2 * G if pad or T > 1 else max(G + t if t else s for s, t in zip(sink_len, tail_len))
     i32 = mx.int32
     extra = Bp - B
     counts += [1] * extra
-    slots = list(L.slots) + [PAD] * extra
-    num_tiles = list(L.num_tiles) + [0] * extra
-    write_pos = [p for _, p in index.writes] + [0] * extra
+    slots += [PAD] * extra
+    num_tiles += [0] * extra
+    write_pos += [0] * extra
     # position j of row b sees its window up to its own token j (the sink or the tail, as a one-token
     # step would after writing it) and every record of its table; a padding row position 0 of its window
     sink_end, tail_end = [], []
@@ -139,62 +166,181 @@ def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] |
             k = min(j, counts[b] - 1)  # a padding position repeats the row's last real one (its output is dropped)
             if b >= B:
                 sink_end.append(1), tail_end.append(0)
-            elif before[b][0] < G:
-                sink_end.append(before[b][0] + k + 1), tail_end.append(0)
+            elif before[b] < G:
+                sink_end.append(before[b] + k + 1), tail_end.append(0)
             else:
-                sink_end.append(G), tail_end.append(L.tail_len[b] + k)
-    w = mx.arange(2 * G, dtype=i32)[None]
+                sink_end.append(G), tail_end.append(tail_len[b] + k)
+    w = mx.arange(W, dtype=i32)[None]
     se, te = (mx.array(x, dtype=i32)[:, None] for x in (sink_end, tail_end))
-    mask = (w < se) | ((w >= G) & (w < G + te))  # [Bp*T, 2G]
+    mask = (w < se) | ((w >= G) & (w < G + te))  # [Bp*T, W]
     if nbp:
         nt = mx.repeat(mx.array(num_tiles, dtype=i32), T)[:, None]
         mask = mx.concatenate([mask, (mx.arange(nbp * G, dtype=i32)[None] // G) < nt], axis=1)
-    commit_slots = [slots[b] for b in index.commit_rows] + [PAD] * (Cp - C)
-    commit_ids = list(index.commit_blocks) + [PAD] * (Cp - C)
-    layers = [b.rows[0].l for b in batches]
-    heads = tuple(pool.shapes[l] for l in layers)
-    inputs = {"offset": mx.array([v.offset for v in views0] + [0] * extra, dtype=i32),
-              "mask": mask.reshape(Bp, 1, T, -1)}
+    inputs = {"offset": mx.array(before + [0] * extra, dtype=i32), "mask": mask.reshape(Bp, 1, T, -1)}
     # (window, position) of token j of row b: its own window from its write position on; a padding
     # token (past the row's count, or a padding row's) goes to the pad window at position j
     targets = [(s, p + j) if j < n and b < B else (PAD, j)
                for b, (s, p, n) in enumerate(zip(slots, write_pos, counts)) for j in range(T)]
-    for H in sorted({h for h, _ in heads}):
+    for H in sorted({shape[0] for shape in heads if shape is not None}):
         inputs[f"rows{H}"] = mx.array([(s * H + h) * 2 * G + p for b in range(Bp) for h in range(H)
                                        for s, p in targets[b * T: (b + 1) * T]], dtype=i32)
     if slice_lo is None:
         inputs["windows"] = mx.array(slots, dtype=i32)
     if nbp:  # PAD is 0: the padding columns and rows point at the pad block
-        inputs["table"] = mx.pad(index.table, ((0, extra), (0, nbp - nb))) if nb else mx.zeros((Bp, nbp), i32)
+        inputs["table"] = mx.array([k + [PAD] * (nbp - len(k)) for k in kept] + [[PAD] * nbp] * extra, dtype=i32)
     if Cp:
-        inputs["commit_slots"] = mx.array(commit_slots, dtype=i32)
-        inputs["commit_ids"] = mx.array(commit_ids, dtype=i32)
+        inputs["commit_slots"] = mx.array([slots[b] for b in commits] + [PAD] * (Cp - C), dtype=i32)
+        inputs["commit_ids"] = mx.array(blocks + [PAD] * (Cp - C), dtype=i32)
     splits = 0
     if fused:  # every row's sink, records and tail in ``splits`` work items (``metal.paged_plan.static_plan``)
-        splits = static_splits(Bp, nbp, heads[0][0])
-        sink_len = list(L.sink_len) + [1] * extra
-        tail_len = list(L.tail_len) + [0] * extra
-        inputs["work"], inputs["row_work"], inputs["rows"] = static_plan(slots, sink_len, tail_len, num_tiles, splits)
+        splits = static_splits(Bp, nbp, next(shape[0] for shape in heads if shape is not None))
+        inputs["work"], inputs["row_work"], inputs["rows"] = static_plan(
+            slots, sink_len + [1] * extra, tail_len + [0] * extra, num_tiles, splits)
+    static = ("paged", layout, tuple(heads), Bp, nbp, Cp, slice_lo, T, splits, W)
+    return PagedStep(static, inputs, tuple(commits), tuple(counts), B, Bp)
+
+
+def _host_plan(views: Sequence[PagedLayer]) -> tuple[list[int], ...]:
+    """Where each row's token goes and what it attends after the write (host ints): (write
+    positions in the window: p < G the sink part, else G + its tail length; the rows whose tail
+    fills and the blocks their tiles take; sink and tail lengths; each row's kept blocks, the new
+    tile's included). Windowed rows drop what the new token no longer attends first (before the
+    commits take blocks: a block freed there can serve one)."""
+    G = views[0].layout.tile_size
+    write_pos, commits, sink_len, tail_len, num_tiles = [], [], [], [], []
+    for b, view in enumerate(views):
+        p = view.offset
+        if p < G:
+            write_pos.append(p)
+            sink_len.append(p + 1), tail_len.append(0), num_tiles.append(view.num_tiles)
+            continue
+        write_pos.append(G + view.tail_len)
+        sink_len.append(G)
+        if view.tail_len == G - 1:
+            commits.append(b)
+            tail_len.append(0), num_tiles.append(view.num_tiles + 1)
+        else:
+            tail_len.append(view.tail_len + 1), num_tiles.append(view.num_tiles)
+    for view in views:
+        view.row.evict()
+    blocks = [views[b].row.block_for(views[b].num_tiles) for b in commits]
+    kept = [view.row.kept(view.offset + 1, n) for view, n in zip(views, num_tiles)]  # the whole table unwindowed
+    return write_pos, commits, blocks, sink_len, tail_len, kept
+
+
+def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan | None:
+    """The step of ``batches`` (one ``PagedBatch`` per layer, the same rows in each) planned as
+    arrays for one graph of every layer (``plan_paged``). ``counts``: the tokens each row writes
+    this step (default one each; a row verifying drafts writes its last token and its drafts, all
+    inside its tile: ``PagedRow.verify_room``; a windowed row writes one)."""
+    views0 = batches[0].rows
+    pool = views0[0].row.pool
+    layers = [b.rows[0].l for b in batches]
+    step = plan_paged(views0, [pool.shapes[l] for l in layers], pad, counts)
+    if step is None:
+        return None
     state = [x for l in layers for x in _paged_state(pool.layers[l])]
-    static = ("paged", layout, heads, Bp, nbp, Cp, slice_lo, T, splits)
 
     def finish(arrays: list[mx.array]) -> None:
-        k = 0
-        for l in layers:
-            a = pool.layers[l]
-            a.win_k, a.win_v = arrays[k], arrays[k + 1]
-            a.records = dict(zip(RECORD_FIELDS, arrays[k + 2: k + 2 + len(RECORD_FIELDS)]))
-            k += 2 + len(RECORD_FIELDS)
+        width = 2 + len(RECORD_FIELDS)
+        for i, l in enumerate(layers):
+            _hand_back(pool.layers[l], arrays[i * width: (i + 1) * width])
         for batch in batches:
-            advance(batch.rows, index)
-            for view, n in zip(batch.rows, counts):
-                if n > 1:  # the verify's other tokens (in the sink, or the tail)
-                    view.offset += n - 1
-                    if view.offset - (n - 1) > G:
-                        view.tail_len += n - 1
-            batch.index = None
+            advance(batch.rows, step)
 
-    return DecodePlan(static, inputs, state, B, Bp, _paged_caches, finish, commits=Cp)
+    return DecodePlan(step.static, step.inputs, state, step.rows, step.padded, _paged_caches, finish,
+                      commits=step.static[5])
+
+
+def decode_step(views: Sequence[PagedLayer]) -> PagedStep:
+    """The step of one layer's ``views`` decoding a token each outside a planned graph (a lone
+    row's token, a one-token prompt chunk, a batch a model runs through directly), exact sizes:
+    planned by the first layer that asks and read by the others from the forward's
+    ``StepContext`` (asked with the same rows at the same offsets, before their own writes); the
+    first row's serial tells apart the batches of one forward."""
+    row = views[0].row
+    return step_of(views[0]).get(("paged_step", row.serial, len(views)),
+                                 lambda: plan_paged(views, row.pool.shapes, pad=False))
+
+
+def decode_write(views: Sequence[PagedLayer], keys: mx.array, values: mx.array) -> PagedStepLayer:
+    """One token for each of one layer's ``views`` (``keys`` [B, H, 1, D]) outside a planned graph:
+    the planned step's write (``PagedStepLayer``) on the pool's arrays, handed back to the pool,
+    the views advanced. Returns the layer, whose ``attend`` is the step's attention."""
+    if keys.shape[0] != len(views) or keys.shape[2] != 1:
+        raise ValueError(f"a decode step of {len(views)} rows takes [B, H, 1, D] keys, not {keys.shape}")
+    step = decode_step(views)
+    _, H, _, D = keys.shape
+    a = views[0].row.pool.ensure_layer(views[0].l, H, D)
+    layer = PagedStepLayer(views[0].layout, _paged_state(a), step.inputs, step.static)
+    layer.update_and_fetch(keys, values)
+    _hand_back(a, layer.arrays())
+    advance(views, step)
+    return layer
+
+
+def advance(views: Sequence[PagedLayer], step: PagedStep) -> None:
+    """The views after the step's write: each row's tokens more (a tail that filled committed; a
+    verify's tokens in the sink or the tail)."""
+    G = views[0].layout.tile_size
+    committing = set(step.commit_rows)
+    for b, view in enumerate(views):
+        view.chunk = None  # the row's last prompt chunk (raw keys and values) is no longer needed
+        if view.offset >= G:
+            if b in committing:
+                view.num_tiles += 1
+                view.tail_len = 0
+            else:
+                view.tail_len += 1
+        view.offset += 1
+        n = step.counts[b]
+        if n > 1:  # the verify's other tokens (in the sink, or the tail)
+            view.offset += n - 1
+            if view.offset - (n - 1) > G:
+                view.tail_len += n - 1
+
+
+def place_windows(rows: Sequence[PagedRow]) -> None:
+    """Give a decode batch's rows consecutive windows in batch order, so every layer reads them
+    as one slice instead of a gather (on MLX's CPU a gathered batch made a step ~3x slower).
+
+    The batch takes the range of windows that starts at its lowest one; a row whose window is
+    elsewhere swaps windows with whatever holds its target (another batch row, a row still
+    prefilling, or a free window). Nothing moves while the rows sit in order (the steady state:
+    rows join at the end, windows are handed out lowest first); after a membership change each
+    moved window (2G tokens a layer) is copied once."""
+    pool = rows[0].pool
+    lo = min(r.slot for r in rows)
+    if all(r.slot == lo + b for b, r in enumerate(rows)) or lo + len(rows) > pool.windows.capacity:
+        return
+    origin: dict[int, int] = {}  # window -> the window whose tokens end up there
+
+    def swap(x: int, y: int) -> None:
+        origin[x], origin[y] = origin.get(y, y), origin.get(x, x)
+
+    for b, row in enumerate(rows):
+        src, target = row.slot, lo + b
+        if src == target:
+            continue
+        holder = pool.window_rows.get(target)
+        swap(src, target)
+        row.slot, pool.window_rows[target] = target, row
+        if holder is not None:
+            holder.slot, pool.window_rows[src] = src, holder
+        else:  # a free window: the allocator follows the move
+            del pool.window_rows[src]
+            pool.windows.refs[target], pool.windows.refs[src] = pool.windows.refs[src], 0
+            del pool.windows.free[target]
+            pool.windows.free[src] = None
+    moved = [(d, o) for d, o in origin.items() if d != o]
+    dst = mx.array([d for d, _ in moved], dtype=mx.int32)
+    src = mx.array([o for _, o in moved], dtype=mx.int32)
+    for l, shape in enumerate(pool.shapes):
+        if shape is not None:
+            a = pool.layers[l]
+            pieces = [a.win_k[src], a.win_v[src]]
+            mx.eval(pieces)  # copied out first, so the writes below update the buffers in place
+            a.win_k[dst], a.win_v[dst] = pieces
 
 
 def _paged_state(a: LayerArrays) -> list[mx.array]:
@@ -202,11 +348,16 @@ def _paged_state(a: LayerArrays) -> list[mx.array]:
     return [a.win_k, a.win_v, *(a.records[name] for name in RECORD_FIELDS)]
 
 
+def _hand_back(a: LayerArrays, arrays: Sequence[mx.array]) -> None:
+    """A layer's arrays after its step (``_paged_state``'s order) back into the pool."""
+    a.win_k, a.win_v = arrays[0], arrays[1]
+    a.records = dict(zip(RECORD_FIELDS, arrays[2:]))
+
+
 def _paged_caches(static: tuple, inputs: dict[str, mx.array], state: list[mx.array]) -> list[Any]:
-    _, layout, heads, Bp, nbp, Cp, slice_lo, T, splits = static
+    layout, heads = static[1], static[2]
     width = 2 + len(RECORD_FIELDS)
-    return [PagedStepLayer(layout, state[i * width: (i + 1) * width], inputs, static)
-            for i in range(len(heads))]
+    return [PagedStepLayer(layout, state[i * width: (i + 1) * width], inputs, static) for i in range(len(heads))]
 
 
 class PagedStepLayer:
@@ -224,6 +375,12 @@ class PagedStepLayer:
     @property
     def offset(self) -> mx.array:
         return self.inputs["offset"]
+
+    @property
+    def windows(self) -> mx.array | tuple[int, int]:
+        """The batch's windows: a ``(lo, hi)`` range read as one slice, else their ids."""
+        slice_lo, Bp = self.static[6], self.static[3]
+        return (slice_lo, slice_lo + Bp) if slice_lo is not None else self.inputs["windows"]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
         return None  # the validity mask is the plan's
@@ -248,19 +405,17 @@ class PagedStepLayer:
                sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
         if sinks is not None:
             raise ValueError("KVarN attention does not support attention sinks")
-        _, _, _, Bp, nbp, _, slice_lo, T, splits = self.static
-        G = self.layout.tile_size
+        Bp, T, splits, W = self.static[3], self.static[7], self.static[8], self.static[9]
         if splits:
             out = self._fused(queries, scale, Bp * splits)
             if out is not None:
                 return out
-        windows = (slice_lo, slice_lo + Bp) if slice_lo is not None else self.inputs["windows"]
         B, n_q, _, D = queries.shape
         mask = self.inputs["mask"]
         if T > 1:  # the T positions of a row as more query heads: head h's R*T rows are (r, t), r major
             queries = queries.reshape(B, n_q * T, 1, D)
             mask = mx.tile(mask, (1, 1, n_q // self.a.win_k.shape[1], 1))
-        out = decode_attention_over(queries, self.a, self.layout, scale, windows=windows, win_len=2 * G,
+        out = decode_attention_over(queries, self.a, self.layout, scale, windows=self.windows, win_len=W,
                                     table=self.inputs.get("table"), mask=mask)
         return out.reshape(B, n_q, T, D)
 
@@ -280,126 +435,3 @@ class PagedStepLayer:
 
     def arrays(self) -> list[mx.array]:
         return [self.a.win_k, self.a.win_v, *(self.a.records[name] for name in RECORD_FIELDS)]
-
-
-# --- the baselines' slots ----------------------------------------------------------------------
-
-def slot_plan(batches: Sequence[Any], pad: bool = True) -> DecodePlan | None:
-    """The step of ``batches`` (one ``SlotBatch`` per layer, the same rows in each) planned as
-    arrays, or None where the batch attends row by row (a GPU without the fused ragged kernel).
-    Where the fused ragged kernel attends, its launch plan is made here at a fixed size."""
-    first = batches[0]
-    fused = fused_decode_available(first)
-    if not fused and attends_per_row(first):
-        return None
-    for batch in batches:
-        for row in batch.rows:
-            row._check_room(1)
-    starts = [batch.store._place(batch.rows) for batch in batches]
-    positions = [row.offset for row in first.rows]
-    B = len(positions)
-    Bp = (bucket(B, ROW_BUCKETS) or B) if pad else B
-    if any(not _free(batch.store, lo + B, lo + Bp) for batch, lo in zip(batches, starts)):
-        Bp = B  # padding rows write only into free slots
-    stores = [batch.store for batch in batches]
-    T_cap = stores[0].token_capacity
-    T = max(positions) + 1
-    Tb = min(-(-T // stores[0].token_step) * stores[0].token_step, T_cap) if pad else T
-    i32 = mx.int32
-    lengths = mx.array([p + 1 for p in positions] + [1] * (Bp - B), dtype=i32)
-    inputs = {"offset": mx.array(positions + [0] * (Bp - B), dtype=i32),
-              "mask": (mx.arange(Tb, dtype=i32)[None] < lengths[:, None]).reshape(Bp, 1, 1, Tb)}
-    shapes = tuple(tuple((buf.shape, buf.dtype) for buf in store._buffers) for store in stores)
-    for H in sorted({s[0][0][1] for s in shapes}):
-        at = positions + [T_cap - 1] * (Bp - B)  # a padding row: the last position of a free slot
-        inputs[f"rows{H}"] = mx.array([((b * H) + h) * T_cap + p for b, p in enumerate(at) for h in range(H)],
-                                      dtype=i32)  # relative to the batch's first slot (``SlotStepLayer``)
-    splits = 0
-    if fused:  # every row's tokens in ``splits`` work items (``metal.cuda.ragged_decode.static_plan``)
-        H = shapes[0][0][0][1]
-        splits = ragged_splits(Bp, Tb, H)
-        row_lengths = [p + 1 for p in positions] + [1] * (Bp - B)
-        for lo in sorted(set(starts)):
-            work, row_work, rows = ragged_plan([lo + b for b in range(Bp)], row_lengths, splits)
-            inputs["rg_work"], inputs["rg_row_work"], inputs[f"rg_rows{lo}"] = work, row_work, rows
-    state = [buf for store in stores for buf in store._buffers]
-    static = ("slots", shapes, tuple(starts), Bp, Tb, first.store.bits, first.store.group_size, splits)
-
-    def finish(arrays: list[mx.array]) -> None:
-        k = 0
-        for batch in batches:
-            n = len(batch.store._buffers)
-            batch.store._buffers = list(arrays[k: k + n])
-            k += n
-            for row in batch.rows:
-                row.offset += 1
-
-    return DecodePlan(static, inputs, state, B, Bp, _slot_caches, finish)
-
-
-def _free(store: Any, lo: int, hi: int) -> bool:
-    """Whether slots [lo, hi) exist and hold no row."""
-    return hi <= store.num_slots and all(store._rows[s] is None for s in range(lo, hi))
-
-
-def _slot_caches(static: tuple, inputs: dict[str, mx.array], state: list[mx.array]) -> list[Any]:
-    _, shapes, starts, Bp, Tb, bits, group_size, splits = static
-    caches, k = [], 0
-    for lo, layer_shapes in zip(starts, shapes):
-        n = len(layer_shapes)
-        caches.append(SlotStepLayer(list(state[k: k + n]), lo, Bp, Tb, inputs, bits, group_size, splits))
-        k += n
-    return caches
-
-
-class SlotStepLayer:
-    """One layer of a planned slot decode step inside the graph: every row's token written at its
-    own position of its slot (one scatter per buffer), then the batch's slots [lo, lo + Bp) up to
-    ``Tb`` tokens under the plan's mask, through mlx-lm's attention (``kvarn.slots.SlotBatch``'s
-    CPU path, as arrays)."""
-
-    def __init__(self, buffers: list[mx.array], lo: int, Bp: int, Tb: int, inputs: dict[str, mx.array],
-                 bits: int | None, group_size: int, splits: int = 0) -> None:
-        self.buffers, self.lo, self.Bp, self.Tb, self.inputs = buffers, lo, Bp, Tb, inputs
-        self.splits = splits  # > 0: the fused ragged kernel attends, with the plan's launch plan
-        if bits is not None:
-            self.bits, self.group_size = bits, group_size
-
-    @property
-    def offset(self) -> mx.array:
-        return self.inputs["offset"]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        return self.inputs["mask"]
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        if getattr(self, "bits", None) is None:
-            parts = [keys, values]
-        else:
-            parts = [*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
-                     *mx.quantize(values, group_size=self.group_size, bits=self.bits)]
-        shape0 = self.buffers[0].shape
-        H, T_cap = shape0[1], shape0[2]
-        rows = self.inputs[f"rows{H}"] + self.lo * H * T_cap
-        for i, (buf, part) in enumerate(zip(self.buffers, parts, strict=True)):
-            flat = buf.reshape(-1, buf.shape[3])
-            flat[rows] = part.reshape(-1, part.shape[3]).astype(buf.dtype)
-            self.buffers[i] = flat.reshape(buf.shape)
-        view = [buf[self.lo: self.lo + self.Bp, :, : self.Tb] for buf in self.buffers]
-        if len(view) == 2:
-            return view[0], view[1]
-        return tuple(view[:3]), tuple(view[3:])
-
-    def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
-               sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
-        if self.splits and sinks is None and len(self.buffers) == 2:
-            buf_k, buf_v = self.buffers
-            H, D = buf_k.shape[1], buf_k.shape[3]
-            if KERNELS.ragged_decode(head_dim=D, n_rep=queries.shape[1] // H, dtype=queries.dtype,
-                                     kv_dtype=buf_k.dtype) is not None:
-                return ragged_planned(queries, buf_k, buf_v, self.inputs["rg_work"], self.inputs["rg_row_work"],
-                                      self.inputs[f"rg_rows{self.lo}"], self.splits, scale)
-        return default(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
-
-    def arrays(self) -> list[mx.array]:
-        return self.buffers

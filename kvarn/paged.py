@@ -1,11 +1,11 @@
 """Paged KVarN rows, the one KVarN storage: a row is a block table into the pool (``kvarn.pool``)
 and a window slot (its float16 sink and tail); one cache object per layer, speaking mlx-lm's
-cache protocol, for a row's prompt chunks and lone decode tokens (a decode batch runs one graph
-per layer for all rows: ``kvarn.paged_batch``).
+cache protocol, for a row's prompt chunks, and the decode batch of one layer's rows. Every decode
+token is written and attended by the pool's one decode step (``kvarn.decode_graph``).
 
     row (all layers)   table [b3 b9 b4]  window w5  (ids shared by every layer)
     layer view         PagedLayer(row, l): offset, committed tiles, the latest chunk (prefill)
-    decode batch       PagedBatch([views of layer l]): one graph per layer for all rows
+    decode batch       PagedBatch([views of layer l]): the rows a planned step decodes together
 
 A row's tokens are ``[sink | record 0 .. record n-1 | tail]``: keys and values rotated and
 rounded to float16 on arrival, the first G tokens in the sink, a record committed each time the
@@ -30,10 +30,11 @@ import numpy as np
 
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from kvarn.batch import BatchRows
 from kvarn.chunk_attention import Chunk, chunk_attention_over
+from kvarn.decode_graph import PagedStepLayer, decode_step, decode_write, rounded
 from kvarn.layout import KVLayout
-from kvarn.paged_attention import attention_dtype, decode_attention
-from kvarn.paged_step import StepIndex, decode_update, rounded
+from kvarn.paged_attention import attention_dtype
 from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks, \
     record_shapes
 from kvarn.step import step_of
@@ -239,8 +240,8 @@ def block_major(arrays: Sequence[mx.array]) -> dict[str, mx.array]:
 
 
 class PagedLayer(_BaseCache):
-    """Layer ``l`` of a paged row, speaking mlx-lm's cache protocol (one row's prompt chunks and
-    lone decode tokens run through it; a decode batch runs through ``PagedBatch``). Invariants:
+    """Layer ``l`` of a paged row, speaking mlx-lm's cache protocol (one row's prompt chunks, and
+    lone decode tokens through the pool's decode step with one row). Invariants:
     ``offset`` = tokens seen; the sink holds ``min(offset, G)``; ``num_tiles`` records were
     committed (the true count: positions follow from it), ``num_tiles * G`` tokens; the tail holds
     ``tail_len`` < G; trim is tail-only (tokens in the sink or a committed record stay). A
@@ -255,7 +256,7 @@ class PagedLayer(_BaseCache):
         self.tail_len = 0
         self.num_tiles = 0
         self.chunk: Chunk | None = None
-        self.index: StepIndex | None = None  # a lone decode token's step index, for its attention
+        self.decoding: PagedStepLayer | None = None  # a lone decode token's step layer, for its attention
 
     @property
     def layout(self) -> KVLayout:
@@ -289,10 +290,9 @@ class PagedLayer(_BaseCache):
     # --- writing (one row, any number of tokens) ---
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if keys.shape[2] == 1 and self.offset > 0:
-            self.index = decode_update([self], keys, values)  # a lone decode token: the batched path with B = 1
-            self.chunk = None
+            self.decoding = decode_write([self], keys, values)  # a lone decode token: the decode step with B = 1
             return None, None  # nothing to fetch: the storage attends itself (``attend``)
-        self.index = None
+        self.decoding = None
         self.row.evict()
         self.write_chunk(keys, values)
         return None, None  # nothing to fetch: the storage attends itself (``attend``)
@@ -375,9 +375,10 @@ class PagedLayer(_BaseCache):
             sink_k, sink_v, rec_k, rec_v = self.history(attention_dtype(queries))
             return chunk_attention_over(queries, sink_k, sink_v, rec_k, rec_v, chunk, self.layout.tile_size, scale,
                                         rec_first=self.row.first, window=self.row.max_kv_size, step=step_of(self))
-        if self.index is None:
+        if self.decoding is None:
             raise RuntimeError("paged decode attention before update_and_fetch")
-        return decode_attention(queries, [self], self.index, scale)
+        return self.decoding.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks, dispatch=dispatch,
+                                    default=default)
 
     # --- reading one row (prefill attention) ---
     def history(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
@@ -419,3 +420,49 @@ class PagedLayer(_BaseCache):
     @property
     def meta_state(self) -> tuple[str, ...]:
         return tuple(map(str, (self.offset, self.tail_len, self.num_tiles)))
+
+
+class PagedBatch(BatchRows):
+    """Layer ``l`` of the rows decoding together: what the pool's decode step plans for every layer
+    at once (``kvarn.decode_graph.paged_plan``). Rows join (``extend``) and leave (``filter``)
+    between steps; nothing of theirs is copied. A model run through the batch itself (a model
+    with layers of their own) takes the same step layer by layer (``decode_write``)."""
+
+    row_type = PagedLayer
+
+    def __init__(self, rows: Sequence[PagedLayer] = ()) -> None:
+        self.decoding: PagedStepLayer | None = None
+        super().__init__(rows)
+
+    def extend(self, rows: Sequence[PagedLayer]) -> None:
+        rows = list(rows)
+        for row in rows:
+            if not isinstance(row, PagedLayer):
+                raise TypeError(f"PagedBatch takes PagedLayer rows, not {type(row).__name__}")
+        anchor = (self.rows or rows)[:1]
+        if anchor and any(r.row.pool is not anchor[0].row.pool or r.l != anchor[0].l for r in rows):
+            raise ValueError("a paged batch holds one layer of one pool")
+        super().extend(rows)
+
+    def filter(self, keep: Sequence[int]) -> None:
+        super().filter(keep)
+        self.decoding = None
+
+    @property
+    def offset(self) -> mx.array:
+        return decode_step(self.rows).inputs["offset"]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        self.decoding = decode_write(self.rows, keys, values)
+        return None, None  # nothing to fetch: the storage attends itself (``attend``)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        return None  # the validity mask is the step's
+
+    def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
+               sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
+        """Every row's decode attention in one graph: the step's (``PagedStepLayer.attend``)."""
+        if self.decoding is None:
+            raise RuntimeError("paged batch attention before update_and_fetch")
+        return self.decoding.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks, dispatch=dispatch,
+                                    default=default)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from kvarn import cpu_attention
-from kvarn.paged_step import StepIndex
 from kvarn.pool import RECORD_FIELDS, dequantize_blocks
 from kvarn.quantize import rotate
 from metal import KERNELS

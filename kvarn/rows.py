@@ -29,13 +29,13 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_other
 from kvarn.batch import BatchRows
-from kvarn.decode_graph import DecodePlan, paged_plan, slot_plan
+from kvarn.decode_graph import DecodePlan, paged_plan
 from kvarn.paged_attention import fused_attention
 from kvarn.layout import KVLayout
-from kvarn.paged import PagedLayer, PagedRow
-from kvarn.paged_batch import PagedBatch
+from kvarn.paged import PagedBatch, PagedLayer, PagedRow
 from kvarn.pool import KVarNPool
 from kvarn.rotating import WINDOW_CACHES, AffineRotatingKVCache, make_window_cache
+from kvarn.slot_step import slot_plan
 from kvarn.slots import SlotBatch, SlotRow, SlotStore
 
 
@@ -168,9 +168,10 @@ def count_quantized_layers(model: nn.Module, layout: KVLayout) -> tuple[int, int
 
 
 def make_batch_cache(layer_rows: Sequence[Any]) -> Any:
-    """The batch cache for one layer's decoding rows: one graph for all rows in the KVarN pool
-    (``PagedBatch``) or in the baselines' slots (``SlotBatch``: one fused attention); rows of
-    other caches (sliding windows, rotating windows) attend one by one (``BatchRows``)."""
+    """The batch cache for one layer's decoding rows: rows in the KVarN pool (``PagedBatch``) or
+    in the baselines' slots (``SlotBatch``), which their storage's decode step runs as one graph
+    for all rows; rows of other caches (sliding windows, rotating windows) attend one by one
+    (``BatchRows``)."""
     if layer_rows and isinstance(layer_rows[0], PagedLayer):
         return PagedBatch(layer_rows)
     if layer_rows and isinstance(layer_rows[0], SlotRow):
@@ -180,9 +181,11 @@ def make_batch_cache(layer_rows: Sequence[Any]) -> Any:
 
 def plan_decode(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan | None:
     """A decode step of these batch caches (one per layer) planned as arrays, so that it can be
-    compiled (``kvarn.decode_graph``): rows in the KVarN pool or in the baselines' slots, every
-    layer's; None for anything else (layers of other caches, a fused kernel's step). ``counts``:
-    tokens per row (a verify's; KVarN rows only: ``verifies_in_batch``)."""
+    compiled (``kvarn.decode_graph``, ``kvarn.slot_step``): rows in the KVarN pool or in the
+    baselines' slots, every layer's; None for anything else (layers of other caches: the model
+    then runs through the batch caches, whose storage takes the same step layer by layer; slot
+    rows attending one by one). ``counts``: tokens per row (a verify's; KVarN rows only:
+    ``verifies_in_batch``)."""
     if batches and all(isinstance(b, PagedBatch) for b in batches):
         return paged_plan(batches, pad, counts)
     if batches and all(isinstance(b, SlotBatch) for b in batches) and not (counts and max(counts) > 1):

@@ -13,7 +13,8 @@ attention, under one validity mask):
       slot 3   (free)          [                                         ]
                                 ##: written   ..: reserved up to |capacity
 
-    SlotBatch [A, B, C] (slots 0..2, consecutive in batch order), one decode step:
+    SlotBatch [A, B, C] (slots 0..2, consecutive in batch order), one decode step
+    (``kvarn.slot_step``):
       write   buf[[0, 1, 2], :, [300, 130, 5]] = keys[:, :, 0]       one scatter per buffer (over its
               flat [S*H*T_cap, D] view, at row indices made once a step for all layers)
       read    buf[0:3, :, :T]      T = 301 (max offset after the write): a view, no copy
@@ -40,9 +41,9 @@ Invariants:
   ``release()`` is required (the store keeps a row alive until then).
 
 Only plain full-attention layers (mlx-lm ``KVCache``) use slots, as ``kvarn.rows`` decides.
-``SlotBatch`` is no ``kvarn.batch.BatchRows``: the attention seam passes it to mlx-lm's own
-attention, which runs all rows at once, or on GPUs to ``kvarn.slot_attention`` (the fused ragged
-decode kernel, or one call per deep row).
+``SlotBatch`` is no ``kvarn.batch.BatchRows``: every decode token is written and attended by the
+slots' one decode step (``kvarn.slot_step``: planned for every layer at once, or one layer at a
+time by a model run through the batch itself), which attends all rows at once.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from kvarn.slot_attention import attends_per_row, fused_decode, fused_decode_attention, per_row_attention
-from kvarn.step import StepContext, step_of
+from kvarn.slot_step import SlotStepLayer, slot_write
+from kvarn.step import step_of
 
 Leg = mx.array | tuple[mx.array, ...]  # fp16: one array; affine: (codes, scales, biases)
 
@@ -167,23 +168,6 @@ class SlotStore:
         self._allocate(parts)
         for buf, part in zip(self._buffers, parts, strict=True):
             buf[slot: slot + 1, :, start: start + part.shape[2]] = part
-
-    def _scatter(self, lo: int, positions: list[int], parts: list[mx.array], step: StepContext) -> None:
-        """Token b of ``parts`` [B, H, 1, W] at position ``positions[b]`` of slot ``lo + b``:
-        one scatter per buffer over its flat [S*H*T_cap, W] view, at row indices made once a
-        step for every layer (``_flat_rows``, kept in the forward's ``step``: every layer writes
-        the same rows at the same positions). MLX's three-index form ``buf[slots, :, at]`` built
-        an arange, broadcasts and casts of the indices per buffer and layer: 12 more graph nodes
-        a layer, each ~5-10 us of host time on a GPU."""
-        self._allocate(parts)
-        shape = self._buffers[0].shape
-        H, T = shape[1], shape[2]
-        rows = step.get(("slot_flat_rows", lo, H, T), lambda: _flat_rows(lo, positions, H, T))
-        B, H = len(positions), shape[1]
-        for i, (buf, part) in enumerate(zip(self._buffers, parts, strict=True)):
-            flat = buf.reshape(-1, buf.shape[3])
-            flat[rows] = part.reshape(B * H, part.shape[3])
-            self._buffers[i] = flat.reshape(buf.shape)
 
     def _read(self, lo: int, hi: int, tokens: int) -> list[mx.array]:
         return [buf[lo:hi, :, :tokens] for buf in self._buffers]
@@ -414,6 +398,7 @@ class SlotBatch(_BaseCache):
         if self.store.quantized:
             self.group_size, self.bits = self.store.group_size, self.store.bits
         self.rows: list[SlotRow] = []
+        self.decoding: SlotStepLayer | None = None  # this step's layer, for its attention
         self.extend(rows)
 
     def extend(self, rows: Iterable[SlotRow]) -> None:
@@ -430,6 +415,7 @@ class SlotBatch(_BaseCache):
         if len(set(keep)) != len(keep):
             raise ValueError(f"rows kept twice: {list(keep)}")
         self.rows = [self.rows[i] for i in keep]
+        self.decoding = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -442,18 +428,11 @@ class SlotBatch(_BaseCache):
         return step_of(self).get("slot_offsets", lambda: mx.array([row.offset for row in self.rows], dtype=mx.int32))
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Leg, Leg]:
-        """keys/values [B, H, 1, D]: row b's token at its own offset; returns the batch's slots
-        [B, H, T, D] with T = the largest offset after the write (one slice per buffer)."""
-        if keys.shape[0] != len(self.rows) or keys.shape[2] != 1:
-            raise ValueError(f"a decode step takes [{len(self.rows)}, H, 1, D], not {list(keys.shape)}")
-        for row in self.rows:
-            row._check_room(1)
-        lo = self.store._place(self.rows)
-        positions = [row.offset for row in self.rows]
-        self.store._scatter(lo, positions, self.store._encode(keys, values), step_of(self))
-        for row in self.rows:
-            row.offset += 1
-        return self.store._legs(self.store._read(lo, lo + len(self.rows), max(positions) + 1))
+        """keys/values [B, H, 1, D]: row b's token at its own offset, through the slots' decode
+        step (``kvarn.slot_step.slot_write``); returns the batch's slots [B, H, T, D] with T = the
+        largest offset after the write (one slice per buffer)."""
+        self.decoding, fetched = slot_write(self, keys, values)
+        return fetched
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """[B, 1, 1, T] booleans, True where a position is below the row's offset after this
@@ -476,18 +455,8 @@ class SlotBatch(_BaseCache):
 
     def attend(self, queries: mx.array, keys: Leg, values: Leg, *, scale: float, mask: Any,
                sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
-        """Every row at once: the fused ragged kernel where the device has it, one call per deep
-        row on other GPUs, else ``default`` (mlx-lm's attention, one masked call over the batch's
-        slice; ``kvarn.slot_attention``)."""
-        if fused_decode(self, queries, sinks):
-            return fused_decode_attention(queries, self, scale)
-        if attends_per_row(self):
-            return per_row_attention(queries, keys, values, self, scale, sinks)
-        return default(queries, keys, values, cache=self, scale=scale, mask=mask, sinks=sinks)
-
-
-def _flat_rows(lo: int, positions: Sequence[int], H: int, T: int) -> mx.array:
-    """Rows of a [S*H*T, W] view where token ``positions[b]`` of slot ``lo + b`` lives, head by
-    head: ``((lo + b) * H + h) * T + positions[b]`` in (b, h) order."""
-    base = [((lo + b) * H) * T + p for b, p in enumerate(positions)]
-    return mx.array([r + h * T for r in base for h in range(H)], dtype=mx.int32)
+        """Every row at once: the step's attention (``kvarn.slot_step.SlotStepLayer.attend``)."""
+        if self.decoding is None:
+            raise RuntimeError("slot batch attention before update_and_fetch")
+        return self.decoding.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks, dispatch=dispatch,
+                                    default=default)

@@ -14,8 +14,7 @@ import engine.compiled_step as compiled_step
 import kvarn.chunk_attention as chunk_attention
 import kvarn.decode_graph as decode_graph
 import kvarn.rows as kvarn_rows
-import kvarn.paged_step as paged_step
-import kvarn.slots as slots
+import kvarn.slot_step as slot_step
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import Request, RequestId, SamplingParams
@@ -43,10 +42,10 @@ class Counter:
 @pytest.mark.parametrize("planned", [True, False], ids=["planned", "host"])
 @pytest.mark.parametrize("arm", ["kvarn-k4v2", "fp16"])
 def test_a_decode_forward_makes_its_shared_arrays_once(loaded, monkeypatch, arm, planned):
-    """Every layer of a decode forward reads one step index (KVarN) or one set of slot write rows
-    and offsets (fp16): one per forward, whatever the number of layers, whether the step is
-    planned as arrays before the forward (``kvarn/decode_graph.py``) or its first layer makes
-    them inside it (the host path, where a fused kernel attends)."""
+    """Every layer of a decode forward reads one planned step (KVarN) or one set of slot write rows,
+    mask and offsets (fp16): one per forward, whatever the number of layers, whether the step is
+    planned for every layer before the forward (``kvarn/decode_graph.py``, ``kvarn/slot_step.py``)
+    or its first layer plans it inside a forward run through the batch caches."""
     kv = KVConfig("kvarn", 4, 2) if arm == "kvarn-k4v2" else KVConfig("fp16")
     if not planned:
         monkeypatch.setattr(compiled_step, "plan_decode", lambda caches, **kw: None)
@@ -57,11 +56,11 @@ def test_a_decode_forward_makes_its_shared_arrays_once(loaded, monkeypatch, arm,
                                                                              ignore_eos=True)))
     engine.step()  # the prompts, in one step
     if planned:
-        made = Counter(monkeypatch, decode_graph, "plan_step") if arm == "kvarn-k4v2" \
+        made = Counter(monkeypatch, decode_graph, "plan_paged") if arm == "kvarn-k4v2" \
             else Counter(monkeypatch, kvarn_rows, "slot_plan")
     else:
-        made = Counter(monkeypatch, paged_step, "plan_step") if arm == "kvarn-k4v2" \
-            else Counter(monkeypatch, slots, "_flat_rows")
+        made = Counter(monkeypatch, decode_graph, "plan_paged") if arm == "kvarn-k4v2" \
+            else Counter(monkeypatch, slot_step, "_inputs")
     forwards = 3
     for _ in range(forwards):
         engine.step()  # one decode forward of the three rows each

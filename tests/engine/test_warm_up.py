@@ -29,10 +29,9 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_the_engine_as_it_was(loaded,
     run = engine.runner.run
     monkeypatch.setattr(engine.runner, "run", lambda plan, requests: (plans.append(plan), run(plan, requests))[1])
     tails = pool_mod.quantize_window_tails
-    for where in ("kvarn.paged_step", "kvarn.decode_graph"):  # the host-built step and the planned one
-        monkeypatch.setattr(f"{where}.quantize_window_tails",
-                            lambda win_k, win_v, slots, layout: (commits.append(slots.shape[0]),
-                                                                 tails(win_k, win_v, slots, layout))[1])
+    monkeypatch.setattr("kvarn.decode_graph.quantize_window_tails",  # the pool's one decode step
+                        lambda win_k, win_v, slots, layout: (commits.append(slots.shape[0]),
+                                                             tails(win_k, win_v, slots, layout))[1])
     before = engine.prefix_cache_counters()
     report = warm_up(engine, rows=2)
     assert report.ran and report.steps == len(report.step_seconds) > 0 and report.seconds > 0

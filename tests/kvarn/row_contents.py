@@ -15,6 +15,7 @@ reference (``reference_decode``: ``tests/metal/cases.py``'s NumPy attention).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -117,3 +118,9 @@ def reference_decode(queries: mx.array, views: Sequence[PagedLayer], scale: floa
     case = Case(queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v, table=None, lengths=lengths,
                 scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, tables=tables)
     return numpy_attention(case)
+
+
+def paged_attention(queries: mx.array, cache: Any, scale: float, mask: Any) -> mx.array:
+    """A paged cache's attention (one row's chunk or token, or a whole decode batch) after its
+    ``update_and_fetch``, as the attention seam runs it inside a model's forward."""
+    return cache.attend(queries, cache, cache, scale=scale, mask=mask, sinks=None, dispatch=None, default=None)

@@ -36,8 +36,8 @@ from kvarn import quantize as Q
 from kvarn.attention import make_dispatch
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow
-from kvarn.paged_attention import decode_attention
-from kvarn.paged_batch import PagedBatch, paged_attention
+from kvarn.paged import PagedBatch
+from tests.kvarn.row_contents import paged_attention
 from kvarn.pool import KVarNPool
 from tests.kvarn import reference as R
 
@@ -110,13 +110,13 @@ def reference_output(views: list[PagedLayer], queries: mx.array, scale: float) -
     return out
 
 
-def dequantized_path(queries: mx.array, views: list[PagedLayer], index, scale: float) -> mx.array:
-    """The decode path that gathers and dequantizes the records (one SDPA), forced where MLX
-    would read the codes in place."""
+def dequantized_path(queries: mx.array, cache: PagedLayer | PagedBatch, scale: float) -> mx.array:
+    """The decode step's attention (after its write) through the path that gathers and
+    dequantizes the records (one SDPA), forced where MLX would read the codes in place."""
     original = PA.reads_codes_directly
     try:
         PA.reads_codes_directly = lambda: False
-        return decode_attention(queries, views, index, scale)
+        return paged_attention(queries, cache, scale, None)
     finally:
         PA.reads_codes_directly = original
 
@@ -228,9 +228,9 @@ def test_decode_matches_reference(d, n_rep, g, preset):
             note("first_token_vs_reference", err)
             assert got.shape == q.shape and got.dtype == mx.float32 and err < DECODE_TOL, err
             continue
-        got = decode_attention(q, [view], view.index, scale)
+        got = paged_attention(q, view, scale, None)
         assert got.shape == q.shape and got.dtype == mx.float32
-        deq = dequantized_path(q, [view], view.index, scale)
+        deq = dequantized_path(q, view, scale)
         # where MLX lacks quantized_matmul kernels for these shapes (CUDA) decode runs the
         # dequantized path: check that one against the reference there
         if not PA.reads_codes_directly():
@@ -271,7 +271,7 @@ def test_decode_batch_rows_attend_their_own_records(d, n_rep, g):
     assert rel_err(got, want) < tol
     rows = [rel_err(got[b], want[b]) for b in range(3)]
     assert max(rows) < tol
-    deq = np.array(dequantized_path(q, views, batch.index, d ** -0.5))
+    deq = np.array(dequantized_path(q, batch, d ** -0.5))
     assert rel_err(deq, want) < DEQUANT_TOL
 
 
@@ -421,9 +421,9 @@ def reduced_precision_errors(dtype, seed: int) -> tuple[float, float, float]:
     q = mx.array(rng.standard_normal((1, 2 * H, 1, d)).astype(np.float32)).astype(dtype)
     scale = d ** -0.5
     want = reference_output([view], q, scale)
-    decode = rel_err(np.array(decode_attention(q, [view], view.index, scale).astype(mx.float32)), want)
-    deq = rel_err(np.array(dequantized_path(q, [view], view.index, scale).astype(mx.float32)), want)
-    f32 = rel_err(np.array(decode_attention(q.astype(mx.float32), [view], view.index, scale).astype(dtype)
+    decode = rel_err(np.array(paged_attention(q, view, scale, None).astype(mx.float32)), want)
+    deq = rel_err(np.array(dequantized_path(q, view, scale).astype(mx.float32)), want)
+    f32 = rel_err(np.array(paged_attention(q.astype(mx.float32), view, scale, None).astype(dtype)
                            .astype(mx.float32)), want)
     return decode, deq, f32
 

@@ -1,4 +1,4 @@
-"""Batch caches (kvarn/batch.py, kvarn/paged_batch.py, kvarn/rows.py): rows with per-row starts,
+"""Batch caches (kvarn/batch.py, kvarn/paged.py, kvarn/rows.py): rows with per-row starts,
 extend/filter without copies, per-row RoPE offsets, records byte-identical whichever batch
 produced them, forks, and batched decode through mlx-lm models (the bundled model for every
 layout; gemma3 with sliding-window layers)."""
@@ -14,7 +14,7 @@ from kvarn.baselines import AffineKVCache, FP16KVCache
 from kvarn.batch import BatchRows, RowMasks
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer
-from kvarn.paged_batch import PagedBatch
+from kvarn.paged import PagedBatch
 from kvarn.rows import RowStore, make_batch_cache, make_cache
 from tests.kvarn.row_contents import Fed, assert_row_holds, assert_same_bytes, row_contents
 from tests.kvarn.test_models import build
@@ -88,7 +88,7 @@ def test_extend_and_filter_keep_rows_and_records_as_they_are():
     batch.extend([rows[2]])
     batch.filter([2, 0])
     assert batch.rows[0] is rows[2] and batch.rows[1] is rows[0] and len(batch) == 2
-    assert batch.index is None
+    assert batch.decoding is None
     for row, table, contents in zip(rows, tables, before):
         assert row.row.table == table
         assert_same_bytes(row_contents(row), contents)

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow
-from kvarn.paged_batch import PagedBatch, paged_attention
+from kvarn.paged import PagedBatch
+from tests.kvarn.row_contents import paged_attention
 from kvarn.pool import RECORD_FIELDS, KVarNPool, quantize_blocks_reference
 from kvarn.quantize import rotate
 

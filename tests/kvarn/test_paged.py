@@ -1,5 +1,5 @@
-"""Paged KVarN rows, the one KVarN storage (kvarn/paged.py, kvarn/paged_step.py,
-kvarn/paged_batch.py): a row holds exactly what its tokens determine (sink and tail rotated and
+"""Paged KVarN rows, the one KVarN storage (kvarn/paged.py, its decode step in
+kvarn/decode_graph.py): a row holds exactly what its tokens determine (sink and tail rotated and
 rounded to float16, each record the quantizer's bytes for its tile: ``tests/kvarn/row_contents.py``),
 so byte-identical whatever the chunking and batching; one graph per layer for a whole decode
 batch equal to each row alone and to a float64 reference; windows kept consecutive for a batch;
@@ -14,7 +14,8 @@ import pytest
 
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow
-from kvarn.paged_batch import PagedBatch, paged_attention
+from kvarn.paged import PagedBatch
+from tests.kvarn.row_contents import paged_attention
 from kvarn.pool import RECORD_FIELDS, KVarNPool
 from kvarn.rows import RowStore
 from tests.kvarn.row_contents import Fed, assert_row_holds, assert_same_bytes, reference_decode, row_contents
@@ -286,7 +287,7 @@ def test_a_decode_batch_gets_consecutive_windows_in_batch_order_and_keeps_its_to
     batch.update_and_fetch(k, v)
     out = np.array(paged_attention(q, batch, SCALE, None))
     lo = min(rows[i].slot for i in order)
-    assert [rows[i].slot for i in order] == [lo, lo + 1, lo + 2, lo + 3] and batch.index.windows == (lo, lo + 4)
+    assert [rows[i].slot for i in order] == [lo, lo + 1, lo + 2, lo + 3] and batch.decoding.windows == (lo, lo + 4)
     assert len({r.slot for r in rows if not r.released}) == 5 and pool.windows.num_held == 5
     assert all(pool.window_rows[r.slot] is r for r in rows if not r.released)
     assert max_rel_error(out, reference_decode(q, batch.rows, SCALE)) < DECODE_TOL

@@ -17,7 +17,7 @@ from kvarn.attention import install_attention_seam
 from kvarn.baselines import AffineKVCache, FP16KVCache
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore, make_batch_cache, make_cache
-from kvarn.slot_attention import fused_decode
+from kvarn.slot_step import fused_decode_available
 from kvarn.rows import make_row_cache, make_stores
 from kvarn.slots import SlotBatch, SlotRow, SlotStore
 from tests.kvarn.test_models import build
@@ -387,7 +387,7 @@ def assert_one_attention_per_layer(recorder: Recorder, batch: list[Any], slot_la
                                    B: int) -> None:
     T = batch[slot_layers[0]].size()
     slot_calls = [call for call in recorder.sdpa if call[0][0] == B]
-    if layout.scheme == "fp16" and fused_decode(batch[slot_layers[0]], mx.zeros((B, 2 * H, 1, D)), None):
+    if layout.scheme == "fp16" and fused_decode_available(batch[slot_layers[0]]):
         assert slot_calls == []  # the GPU's fused ragged kernel reads the slots itself: no SDPA
     elif layout.scheme == "fp16":  # one fused SDPA over [B, H, T, D] per slot layer, one mask
         assert len(slot_calls) == len(slot_layers)
@@ -443,9 +443,10 @@ def bundled_model():
     return load_model().model
 
 
-def test_per_row_attention_equals_the_masked_batch():
-    """The GPU's deep-batch path (one unmasked fused call per row) computes what the masked call does."""
-    from kvarn.slot_attention import attends_per_row, per_row_attention
+def test_per_row_attention_equals_the_masked_batch(monkeypatch):
+    """The GPU's deep-batch path (one unmasked fused call per row, the step's host lengths)
+    computes what the masked call does."""
+    import kvarn.slot_step as slot_step
 
     rng = np.random.default_rng(11)
     store = SlotStore()
@@ -453,13 +454,16 @@ def test_per_row_attention_equals_the_masked_batch():
     for row, n in zip(rows, (5, 300, 130)):
         row.update_and_fetch(*kv(rng, n))
     batch = SlotBatch(rows)
+    assert not slot_step.attends_per_row(batch)  # the CPU (and shallow rows) take the one masked call
+    monkeypatch.setattr(slot_step, "attends_per_row", lambda batch: True)
     mask = batch.make_mask(1)  # as a model asks: before the layers write
     keys, values = batch.update_and_fetch(*kv(rng, 1, rows=3))
+    assert batch.decoding.lengths == (6, 301, 131)
     q = mx.array(rng.standard_normal((3, 2 * H, 1, D)).astype(np.float32))
     want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)
-    got = per_row_attention(q, keys, values, batch, 0.1, None)
+    got = batch.attend(q, keys, values, scale=0.1, mask=mask, sinks=None, dispatch=None,
+                       default=lambda *a, **kw: pytest.fail("the masked call must not run"))
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
-    assert not attends_per_row(batch)  # the CPU (and shallow rows) take the one masked call
 
 
 def _batch_after_a_write(rng: np.random.Generator, dtype: mx.Dtype = mx.float32):
@@ -479,26 +483,44 @@ def _batch_after_a_write(rng: np.random.Generator, dtype: mx.Dtype = mx.float32)
 
 
 def test_fused_decode_reads_each_row_over_its_own_slot(monkeypatch):
-    """The GPU's fused ragged decode (metal.ragged_decode) is handed the store's whole buffers and
-    each row's slot and length after the write: run here through the kernel's pure-MLX twin, it
-    gives what the masked call over the batch's slice does. The CPU itself takes the masked call."""
-    import kvarn.slot_attention as slots
+    """The GPU's fused ragged decode (``metal.cuda.ragged_decode.planned_attention``) is handed the
+    store's whole buffers and a launch plan that covers each row's slot over its length after the
+    write: run here through the kernel's pure-MLX twin, it gives what the masked call over the
+    batch's slice does. The CPU itself takes the masked call."""
+    import kvarn.slot_step as slot_step
     from metal.reference import reference_ragged_decode_attention
 
-    batch, q, keys, values, mask = _batch_after_a_write(np.random.default_rng(12))
-    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)
+    rng = np.random.default_rng(12)
+    store = SlotStore()
+    rows = [store.new_row(400) for _ in range(4)]
+    rows[0].release()  # slot 0 free: the batch sits at slots 1..3
+    for row, n in zip(rows[1:], (5, 300, 130)):
+        row.update_and_fetch(*kv(rng, n))
+    batch = SlotBatch(rows[1:])
+    assert not slot_step.fused_decode_available(batch)  # no CUDA here: the masked call runs
+    monkeypatch.setattr(slot_step, "fused_decode_available", lambda batch: True)
+    monkeypatch.setattr(slot_step, "KERNELS", type("Kernels", (), {"ragged_decode": lambda self, **kw: True})())
     seen = []
 
-    def twin(**kw):
-        seen.append((kw["slots"], kw["lengths"], kw["plan"].items))
-        assert kw["keys"] is batch.store._buffers[0] and kw["values"] is batch.store._buffers[1]
-        return reference_ragged_decode_attention(**kw)
+    def twin(queries, keys, values, work, row_work, slots, splits, scale):
+        ends = {}
+        for b, start, end in work.tolist():
+            ends[b] = max(ends.get(b, 0), end)
+        seen.append((tuple(slots.tolist()), tuple(ends[b] for b in sorted(ends)), splits, work.shape[0]))
+        assert keys is batch.store._buffers[0] and values is batch.store._buffers[1]
+        return reference_ragged_decode_attention(queries=queries, keys=keys, values=values, slots=seen[-1][0],
+                                                 lengths=seen[-1][1], scale=scale)
 
-    monkeypatch.setattr(slots, "ragged_decode_attention", twin)
-    got = slots.fused_decode_attention(q, batch, 0.1)
+    monkeypatch.setattr(slot_step, "ragged_planned", twin)
+    mask = batch.make_mask(1)
+    keys, values = batch.update_and_fetch(*kv(rng, 1, rows=3))
+    q = mx.array(rng.standard_normal((3, 2 * H, 1, D)).astype(np.float32))
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.1, mask=mask)
+    got = batch.attend(q, keys, values, scale=0.1, mask=mask, sinks=None, dispatch=None,
+                       default=lambda *a, **kw: pytest.fail("the masked call must not run"))
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5)
-    assert seen[0][:2] == ((1, 2, 3), (6, 301, 131))
-    assert not slots.fused_decode(batch, q, None)  # no CUDA here: the masked call runs
+    slots, lengths, splits, items = seen[0]
+    assert slots == (1, 2, 3) and lengths == (6, 301, 131) and items == 3 * splits
 
 
 HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
@@ -507,11 +529,12 @@ HAS_CUDA = hasattr(mx, "cuda") and mx.cuda.is_available()
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU: the fused kernel runs only there")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["fp16", "bf16"])
 def test_fused_decode_on_the_gpu_matches_the_masked_batch(dtype):
-    import kvarn.slot_attention as slots
+    import kvarn.slot_step as slot_step
 
     batch, q, keys, values, mask = _batch_after_a_write(np.random.default_rng(13), dtype)
-    assert slots.fused_decode(batch, q, None)
+    assert slot_step.fused_decode_available(batch) and batch.decoding.splits > 0
     want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), keys.astype(mx.float32),
                                                 values.astype(mx.float32), scale=0.1, mask=mask)
-    got = slots.fused_decode_attention(q, batch, 0.1).astype(mx.float32)
+    got = batch.attend(q, keys, values, scale=0.1, mask=mask, sinks=None, dispatch=None,
+                       default=lambda *a, **kw: pytest.fail("the fused kernel must attend")).astype(mx.float32)
     assert float(mx.abs(got - want).max() / mx.abs(want).max()) < 1e-2

@@ -13,7 +13,8 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow
-from kvarn.paged_batch import PagedBatch, paged_attention
+from kvarn.paged import PagedBatch
+from tests.kvarn.row_contents import paged_attention
 from kvarn.pool import RECORD_FIELDS, KVarNPool, dequantize_blocks
 from kvarn.rotating import AffineRotatingKVCache, FP16RotatingKVCache, make_window_cache
 from kvarn.window import committed_records, evicted_records

@@ -276,10 +276,9 @@ def test_emulated_kernel_sees_a_wrong_block():
     assert max_rel_error(got, want) > 10 * TOL
 
 
-def test_row_lengths_is_what_the_step_index_carries():
-    from kvarn.paged_step import StepIndex
-    assert "lengths" in StepIndex.__dataclass_fields__
-    assert RowLengths((1,), (1,), (0,), (0,)).num_tiles == (0,)
+def test_row_lengths_names_each_rows_counts():
+    lengths = RowLengths((3,), (1,), (0,), (2,))
+    assert (lengths.slots, lengths.sink_len, lengths.tail_len, lengths.num_tiles) == ((3,), (1,), (0,), (2,))
 
 
 def test_the_decided_verdict_is_what_attention_path_said():
@@ -291,21 +290,21 @@ def test_the_decided_verdict_is_what_attention_path_said():
 
 @needs_cuda
 def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeypatch):
-    """Paged rows (ragged, committing tiles during the steps) decode through PagedBatch: the
-    dispatch takes the kernel, and its output matches the float64 reference over what the rows
-    hold (``tests/kvarn/row_contents.py``)."""
-    import importlib
-
-    import kvarn.paged_batch as pb
+    """Paged rows (ragged, committing tiles during the steps) decode through PagedBatch (the pool's
+    decode step, layer by layer): the step takes the kernel with its fixed-size launch plan, and its
+    output matches the float64 reference over what the rows hold (``tests/kvarn/row_contents.py``)."""
+    import kvarn.decode_graph as decode_graph
+    import kvarn.paged_attention as paged_attention
     from kvarn.layout import KVLayout
-    from kvarn.paged import PagedRow
+    from kvarn.paged import PagedBatch, PagedRow
     from kvarn.pool import KVarNPool
-    from tests.kvarn.row_contents import reference_decode
+    from tests.kvarn.row_contents import paged_attention as attend, reference_decode
     calls = []
     counting = lambda **kw: calls.append(1) or paged_decode_attention(**kw)  # noqa: E731
     kernels = Kernels(replace(cuda_backend(), paged_decode=counting))
     assert kernels.attention_path() == "cuda-fused" and len(calls) == 1  # its self-check
-    monkeypatch.setattr(importlib.import_module(pb.decode_attention.__module__), "KERNELS", kernels)
+    monkeypatch.setattr(decode_graph, "KERNELS", kernels)
+    monkeypatch.setattr(paged_attention, "KERNELS", kernels)
     rng = np.random.default_rng(5)
     G, H, D = 64, 2, 128
     layout = KVLayout.kvarn("k4v2", tile_size=G)
@@ -317,13 +316,13 @@ def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeyp
         row = PagedRow(pool, [0])
         row.layers[0].update_and_fetch(k, v)
         rows.append(row)
-    batch = pb.PagedBatch([r.layers[0] for r in rows])
+    batch = PagedBatch([r.layers[0] for r in rows])
     for _ in range(4):  # rows cross G and commit a tile on the way
         k = mx.array(rng.standard_normal((3, H, 1, D)).astype(np.float16))
         v = mx.array(rng.standard_normal((3, H, 1, D)).astype(np.float16))
         q = mx.array(rng.standard_normal((3, 4 * H, 1, D)).astype(np.float16))
         batch.update_and_fetch(k, v)
-        out = np.array(pb.paged_attention(q, batch, D ** -0.5, None).astype(mx.float32))
+        out = np.array(attend(q, batch, D ** -0.5, None).astype(mx.float32))
         assert max_rel_error(out, reference_decode(q, batch.rows, D ** -0.5)) < TOL
     assert [r.layers[0].num_tiles for r in rows] == [0, 0, 2]
     assert len(calls) == 1 + 4  # the self-check, then one call a step
