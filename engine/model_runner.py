@@ -24,8 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.compiled_step import DecodeGraphs
-from engine.forward import Forward
+from engine.forward import DecodeGraphs, Forward
 from engine.grammar_rows import DEAD_END, RowGrammars
 from engine.loader import LoadedModel
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
@@ -113,7 +112,7 @@ class ModelRunner:
         hit no row took (its step failed first); ``batch_decode`` False runs each decoding row
         alone (models whose caches cannot be batched, e.g. recurrent layers); ``batch_prefill``
         False runs each prompt chunk in its own forward; ``compile_decode`` False runs the decode
-        forward uncompiled (``engine.compiled_step``)."""
+        forward uncompiled (``engine.forward.DecodeGraphs``)."""
         self.loaded = loaded
         self.batch_prefill = batch_prefill
         self.forward = Forward(loaded.model)
