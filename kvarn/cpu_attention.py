@@ -16,6 +16,23 @@ Masked keys (-inf) get weight 2**-126 * p: ~1e-38, nothing next to the row's max
 A KVarN prompt chunk's float16 window is seen tile by tile (a token sees its own tile's tokens up
 to itself), so ``window_attention`` takes it as G x G blocks beside the masked keys instead of as
 L more masked columns: the two parts share one max and one normalization.
+
+Decode attention over KVarN records (``record_scores``, ``record_values``) multiplies by the
+records' integer codes unpacked to float32 instead of through MLX's CPU ``quantized_matmul``,
+which dequantizes every code once for every query row in a scalar loop (and again for the next
+row). A code of b bits (b = 2, 4, 8) is one of the 8/b fields of a byte: one compiled elementwise
+kernel a field, ``(byte >> b*j) & (2**b - 1)`` to float32, then an OpenBLAS product; the
+records' affine factors go on the small side of each product instead of on the codes:
+
+    keys   K[g, d] = (code[d, g] * alpha[d] + beta[d]) * r[g]
+           q . K[g] = r[g] * ((q * alpha) @ code[:, g] + q . beta)         per block
+    values V[g, d] = (code[g, d] * alpha[g] + beta[g]) * c[d]
+           p @ V    = c * ((p * alpha) @ code + p . beta)                    per block, summed
+
+A byte's fields hold consecutive tokens (keys) or channels (values), so the products of field j
+are every (8/b)-th column of the result: they are interleaved back. The unpacked codes of a
+layer are transient (never kept) and made ``CHUNK_CODES`` at a time, so they stay in the cache
+between the kernel that writes them and the product that reads them.
 """
 
 from __future__ import annotations
@@ -27,6 +44,8 @@ LN2_HI, LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * LN2_HI is
 EXP_FLOOR = -87.0  # exp of anything lower is below float32's normal range
 ROUND = 12582912.0  # 1.5 * 2**23: x + ROUND - ROUND rounds a float32 |x| < 2**22 to an integer
 POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+UNPACKED_BITS = (2, 4, 8)  # widths whose codes never straddle a byte
+CHUNK_CODES = 1 << 21  # codes unpacked per product (8 MiB of float32): 64 blocks of the bundled model
 
 
 @mx.compile
@@ -112,3 +131,70 @@ def _tile_mask(G: int) -> mx.array:
     last token (that one sees its tile as a record)."""
     a, b = mx.arange(G)[:, None], mx.arange(G)[None]
     return mx.where((b <= a) & (a < G - 1), mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+
+
+def reads_unpacked(key_bits: int, value_bits: int) -> bool:
+    """Whether ``record_scores`` / ``record_values`` take these widths (codes within a byte)."""
+    return key_bits in UNPACKED_BITS and value_bits in UNPACKED_BITS
+
+
+def record_scores(q: mx.array, rec: dict[str, mx.array], bits: int) -> mx.array:
+    """Scores [B, nb, H, R, G] of queries ``q`` [B, H, R, D] (rotated, scaled, float32) against
+    the records ``rec`` (fields as the pool stores them, gathered: [B, nb, ...]) of ``bits``-bit
+    keys: per 128-channel slice r * ((q * alpha) @ codes + q . beta), summed over slices."""
+    B, H, R, D = q.shape
+    nb, S, W = rec["k_codes"].shape[1], rec["k_codes"].shape[3], rec["k_codes"].shape[4]
+    G = rec["k_r"].shape[-1]
+    q_s = q.reshape(B, 1, H, R, S, W).transpose(0, 1, 2, 4, 3, 5)  # [B, 1, H, S, R, W]
+    qa = (q_s * rec["k_alpha"][:, :, :, :, None]).reshape(B * nb, H, S, R, W)
+    qb = mx.sum(q_s * rec["k_beta"][:, :, :, :, None], axis=-1, keepdims=True)  # [B, nb, H, S, R, 1]
+    codes = rec["k_codes"].reshape(B * nb, H, S, W, -1).view(mx.uint8)  # a byte: 8/bits tokens
+    raw = _interleave(_code_products(qa, codes, bits)).reshape(B, nb, H, S, R, G) + qb
+    return mx.sum(raw * rec["k_r"][:, :, :, :, None], axis=3)
+
+
+def record_values(p: mx.array, rec: dict[str, mx.array], bits: int) -> mx.array:
+    """sum over each row's records of p [B, nb, H, R, G] @ values (``bits``-bit codes, fields
+    as gathered from the pool) -> [B, H, R, D]: per block and slice c * ((p * alpha) @ codes +
+    p . beta)."""
+    B, nb, H, R, G = p.shape
+    S, D = rec["v_alpha"].shape[-1], rec["v_c"].shape[-1]
+    p_s = p[:, :, :, None]  # [B, nb, H, 1, R, G]
+    pa = (p_s * mx.swapaxes(rec["v_alpha"], -1, -2)[:, :, :, :, None]).reshape(B * nb, H, S, R, G)
+    pb = mx.sum(p_s * mx.swapaxes(rec["v_beta"], -1, -2)[:, :, :, :, None], axis=-1, keepdims=True)
+    codes = rec["v_codes"].view(mx.uint8).reshape(B * nb, H, G, S, -1)  # a byte: 8/bits channels
+    codes = mx.contiguous(mx.swapaxes(codes, 2, 3)) if S > 1 else codes.reshape(B * nb, H, 1, G, -1)
+    out = _interleave(_code_products(pa, codes, bits)).reshape(B, nb, H, S, R, D // S) + pb
+    out = mx.swapaxes(out, 3, 4).reshape(B, nb, H, R, D)
+    return mx.sum(out * rec["v_c"][:, :, :, None], axis=1)
+
+
+def _code_products(left: mx.array, codes: mx.array, bits: int) -> list[mx.array]:
+    """``left`` [n, ..., M, K] @ field j of the bytes ``codes`` [n, ..., K, N] as float32, for
+    each field j (low bits first) -> [n, ..., M, N] each; ``CHUNK_CODES`` codes at a time along
+    the leading (block) axis."""
+    n = codes.shape[0]
+    step = max(1, CHUNK_CODES * bits // 8 // (codes.size // n))
+    fields = 8 // bits
+    parts: list[list[mx.array]] = [[] for _ in range(fields)]
+    for lo in range(0, n, step):
+        chunk, a = codes[lo: lo + step], left[lo: lo + step]
+        for j in range(fields):
+            parts[j].append(a @ _unpack(chunk, bits, j))
+    return [mx.concatenate(p) if len(p) > 1 else p[0] for p in parts]
+
+
+def _unpack(codes: mx.array, bits: int, field: int) -> mx.array:
+    """Field ``field`` (bits [b*field, b*(field + 1)) of every byte) of uint8 ``codes`` as float32."""
+    if bits == 8:
+        return codes.astype(mx.float32)
+    shifted = codes >> (bits * field) if field else codes
+    return (shifted & ((1 << bits) - 1)).astype(mx.float32)
+
+
+def _interleave(parts: list[mx.array]) -> mx.array:
+    """[..., m] x k -> [..., m * k] with parts[j][..., i] at position i * k + j."""
+    if len(parts) == 1:
+        return parts[0]
+    x = mx.stack(parts, axis=-1)
+    return x.reshape(*x.shape[:-2], -1)

@@ -124,10 +124,14 @@ def _windows(a: Any, index: StepIndex) -> tuple[mx.array, mx.array]:
 
 def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, layout: Any, scale: float) -> mx.array:
     """The reference path where MLX reads quantized codes (CPU, Metal): scores and values of the
-    records straight from their codes through ``mx.quantized_matmul``, the windows by plain
-    matmuls, one softmax under the step's validity mask, in float32; the factored form keeps the
-    per-token factors (k_r, v_c) outside the products. The rows' blocks are gathered first
-    (``_row_records``), so a step reads what its rows hold whatever the pool's size."""
+    records straight from their codes, the windows by plain matmuls, one softmax under the step's
+    validity mask, in float32; the factored form keeps the per-token factors (k_r, v_c) outside
+    the products. On the CPU, for widths whose codes sit within a byte, the codes are unpacked
+    to float32 for OpenBLAS products (``kvarn.cpu_attention.record_scores``: MLX's CPU
+    ``quantized_matmul`` is a scalar loop; one layer over one 3,000-token row 0.5x its time,
+    over 64 rows of 2,000 0.7x); elsewhere through ``mx.quantized_matmul``. The rows' blocks
+    are gathered first (``_row_records``), so a step reads what its rows hold whatever the
+    pool's size."""
     B, n_q, _, D = queries.shape
     H = a.win_k.shape[1]
     R, G, f32 = n_q // H, layout.tile_size, mx.float32
@@ -135,18 +139,27 @@ def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, lay
     q = rotate(queries.astype(f32)).reshape(B, H, R, D) * scale
     scores = [q @ mx.swapaxes(win_k, -1, -2).astype(f32)]
     table = index.table
+    unpacked = _reads_unpacked(layout)
     if table is not None:
-        rec = _row_records(a.records, table)
+        rec = {name: x[table] for name, x in a.records.items()} if unpacked else _row_records(a.records, table)
         nb = table.shape[1]
-        scores.append(_record_scores(q, rec, layout).transpose(0, 2, 3, 1, 4).reshape(B, H, R, nb * G))
+        rec_scores = cpu_attention.record_scores(q, rec, layout.key_bits) if unpacked else _record_scores(q, rec, layout)
+        scores.append(rec_scores.transpose(0, 2, 3, 1, 4).reshape(B, H, R, nb * G))
     s = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
     p = _softmax(mx.where(index.mask, s, -mx.inf))
     n = index.win_len
     out = p[..., :n] @ win_v.astype(f32)
     if table is not None:
         p_rec = p[..., n:].reshape(B, H, R, nb, G).transpose(0, 3, 1, 2, 4)  # [B, nb, H, R, G]
-        out = out + _record_values(p_rec, rec, layout)
+        out = out + (cpu_attention.record_values(p_rec, rec, layout.value_bits) if unpacked
+                     else _record_values(p_rec, rec, layout))
     return rotate(out).astype(queries.dtype).reshape(B, n_q, 1, D)
+
+
+def _reads_unpacked(layout: Any) -> bool:
+    """Whether the records' products go through unpacked codes (``kvarn.cpu_attention``): on the
+    CPU, where MLX's ``quantized_matmul`` is scalar, for widths whose codes sit within a byte."""
+    return mx.default_device() == mx.cpu and cpu_attention.reads_unpacked(layout.key_bits, layout.value_bits)
 
 
 def _softmax(scores: mx.array) -> mx.array:

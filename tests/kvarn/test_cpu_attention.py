@@ -1,4 +1,5 @@
-"""kvarn/cpu_attention.py against float64 NumPy and MLX's own attention."""
+"""kvarn/cpu_attention.py against float64 NumPy and MLX's own attention; decode attention's record
+products over unpacked codes against the NumPy reference's dequantization and the other paths."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import numpy as np
 import pytest
 
 from kvarn import cpu_attention as CA
+from kvarn import paged_attention as PA
+from kvarn.layout import KVLayout
+from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks
+from tests.kvarn import reference as R
 
 
 def test_softmax_weights_match_float64_exp():
@@ -76,3 +81,99 @@ def test_window_attention_is_the_masked_attention_over_the_joined_keys(start, L,
     got = CA.window_attention(q, keys, values, chunk_view_mask(*args, window_end=window_start), win_k, win_v,
                               start=start, window_start=window_start, G=G, scale=0.1)
     assert np.abs(np.array(got) - np.array(joined)).max() / np.abs(np.array(joined)).max() < 2e-6
+
+
+# --------------------------------------------------------------------------------------------
+# decode attention's record products over unpacked codes
+# --------------------------------------------------------------------------------------------
+
+def quantized_blocks(rng, n, H, D, G, key_bits, value_bits):
+    """``n`` pool blocks quantized from random rotated tiles with outlier channels, per-token
+    scales and a channel offset (what makes the factored form's two terms cancel)."""
+    layout = KVLayout.kvarn((key_bits, value_bits), tile_size=G)
+    chan = np.where(rng.random(D) < 0.05, 8.0, 1.0) + 3.0 * rng.random(D)
+    tok = np.exp(rng.standard_normal((n, 1, G, 1)) * 0.5)
+    keys = (rng.standard_normal((n, H, G, D)) * chan * tok + rng.standard_normal(D) * 2).astype(np.float16)
+    values = (rng.standard_normal((n, H, G, D)) * tok + 0.5).astype(np.float16)
+    return quantize_blocks(mx.array(keys), mx.array(values), layout)
+
+
+def dequantized_blocks(rec, key_bits, value_bits):
+    """Rotated keys and values [n, H, G, D] (float64) from the pool's record fields, read with
+    the NumPy reference's unpacking (docs/kvarn.md, section 3)."""
+    f = {k: np.asarray(v.astype(mx.float32) if v.dtype != mx.uint32 else v).astype(np.float64 if v.dtype != mx.uint32
+                                                                                    else np.uint32)
+         for k, v in rec.items()}
+    n, H, S, W, _ = f["k_codes"].shape
+    G = f["k_r"].shape[-1]
+    codes = R.unpack(f["k_codes"], key_bits, G).astype(np.float64)  # [n, H, S, W, G]
+    k = (codes * f["k_alpha"][..., None] + f["k_beta"][..., None]) * f["k_r"][:, :, :, None, :]
+    keys = np.swapaxes(k, -1, -2).transpose(0, 1, 3, 2, 4).reshape(n, H, G, S * W)
+    vcodes = R.unpack(f["v_codes"], value_bits, S * W).astype(np.float64).reshape(n, H, G, S, W)
+    v = vcodes * f["v_alpha"][..., None] + f["v_beta"][..., None]
+    values = v.reshape(n, H, G, S * W) * f["v_c"][:, :, None, :]
+    return keys, values
+
+
+@pytest.mark.parametrize("chunk_blocks", [None, 4])
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 2), (8, 8), (2, 4)])
+@pytest.mark.parametrize("d,g,n_rep", [(128, 128, 2), (64, 64, 1), (256, 64, 4)])
+def test_record_products_match_float64(d, g, n_rep, key_bits, value_bits, chunk_blocks, monkeypatch):
+    """record_scores / record_values over a block table (repeated and pad ids among them) equal
+    float64 products with the dequantized records; ``chunk_blocks`` unpacks 4 of the 15 blocks
+    at a time (the last chunk 3)."""
+    H, B, nb = 2, 3, 5
+    if chunk_blocks is not None:
+        monkeypatch.setattr(CA, "CHUNK_CODES", chunk_blocks * H * d * g)
+    rng = np.random.default_rng([d, g, n_rep, key_bits, value_bits])
+    rec = quantized_blocks(rng, 9, H, d, g, key_bits, value_bits)
+    table = mx.array(rng.integers(0, 9, (B, nb)), dtype=mx.int32)
+    gathered = {name: x[table] for name, x in rec.items()}
+    q = rng.standard_normal((B, H, n_rep, d)).astype(np.float32)
+    p = rng.random((B, nb, H, n_rep, g)).astype(np.float32)
+    keys, values = dequantized_blocks(rec, key_bits, value_bits)
+    t = np.array(table)
+    want_s = np.einsum("bhrd,bnhgd->bnhrg", q.astype(np.float64), keys[t])
+    want_o = np.einsum("bnhrg,bnhgd->bhrd", p.astype(np.float64), values[t])
+    got_s = np.array(CA.record_scores(mx.array(q), gathered, key_bits))
+    got_o = np.array(CA.record_values(mx.array(p), gathered, value_bits))
+    assert got_s.shape == want_s.shape and got_o.shape == want_o.shape
+    assert np.abs(got_s - want_s).max() < 2e-6 * np.abs(want_s).max()
+    assert np.abs(got_o - want_o).max() < 2e-6 * np.abs(want_o).max()
+
+
+@pytest.mark.parametrize("preset", ["k4v2", "k8v8", "k3v3"])
+def test_compiled_decode_over_unpacked_codes_matches_quantized_matmul_and_dequantized(preset, monkeypatch):
+    """decode_attention_over as the compiled step runs it (padded table, validity mask, windows
+    as a slice) through the unpacked codes where the widths allow it (k4v2, k8v8), through
+    mx.quantized_matmul otherwise (k3v3): the same output as the quantized_matmul path and the
+    dequantized reference, to float32 noise."""
+    rng = np.random.default_rng(7)
+    layout = KVLayout.kvarn(preset)
+    H, D, G, B, n_q = 2, 128, 128, 3, 4
+    rec = quantized_blocks(rng, 8, H, D, G, layout.key_bits, layout.value_bits)
+    lengths = [5, 2, 0]  # records a row holds; the table is padded to 8 with the pad block (0)
+    table = mx.array([[1 + (b + i) % 7 for i in range(n)] + [0] * (8 - n) for b, n in enumerate(lengths)], mx.int32)
+    tails = [40, 127, 3]
+    cols = np.arange(2 * G + 8 * G)
+    mask = np.stack([(cols < G + t) | ((cols >= 2 * G) & (cols < 2 * G + n * G)) for n, t in zip(lengths, tails)])
+    win = [mx.array(rng.standard_normal((B + 1, H, 2 * G, D)).astype(np.float16).astype(np.float32)) for _ in range(2)]
+    queries = mx.array(rng.standard_normal((B, n_q, 1, D)).astype(np.float32))
+    fields = [rec[name] for name in RECORD_FIELDS]
+
+    def attend(q, win_k, win_v, table, mask, *fields):
+        a = LayerArrays(records=dict(zip(RECORD_FIELDS, fields)), win_k=win_k, win_v=win_v)
+        return PA.decode_attention_over(q, a, layout, D ** -0.5, windows=(1, B + 1), win_len=2 * G, table=table,
+                                        mask=mask)
+
+    args = (queries, *win, table, mx.array(mask.reshape(B, 1, 1, -1)), *fields)
+    assert PA._reads_unpacked(layout) == (preset != "k3v3")
+    got = np.array(mx.compile(attend)(*args))
+    monkeypatch.setattr(PA, "_reads_unpacked", lambda layout: False)
+    qmm = np.array(mx.compile(attend)(*args))
+    a = LayerArrays(records=dict(zip(RECORD_FIELDS, fields)), win_k=win[0], win_v=win[1])
+    index = PA.Attended((1, B + 1), 2 * G, table, args[4])
+    deq = np.array(PA._dequantized_attention(queries, a, index, layout, D ** -0.5))
+    scale = np.abs(deq).max()
+    assert np.abs(got - qmm).max() < 1e-5 * scale
+    assert np.abs(got - deq).max() < 1e-5 * scale
