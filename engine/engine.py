@@ -18,8 +18,8 @@ from engine.memory import keep_cpu_buffers, release_memory
 from engine.model_runner import Dispatched, ModelRunner
 from engine.accepted_output import advance_tokens
 from engine.speculator import SpecConfig, Speculator, make_proposer
-from engine.budget import PoolBudget, StaticBudget
-from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
+from engine.admission import (LayerSpec, PoolBudget, Pricing, Reservation, StaticBudget, default_budget_bytes,
+                              machine_memory_bytes)
 from engine.output import OutputState, add_prompt_scores, new_text_stream
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig

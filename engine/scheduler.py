@@ -12,7 +12,7 @@ step instead of being cut. Every chunk attends with decode's view, but matmuls o
 round differently, so fixed boundaries make a request compute the same alone and in any batch. The config guarantees
 the first chunk of a step always fits (budget >= max_num_seqs + chunk).
 
-Admission is by capacity, checked in one place (``engine/budget.py``): a waiting request is
+Admission is by capacity, checked in one place (``engine/admission.py``): a waiting request is
 admitted only if its cost (the exact KV bytes of prompt + max_tokens, less the blocks a prefix
 hit shares, plus one prefill chunk's transient memory until its prompt is done) fits in the KV
 budget beside what running requests hold; the prefix cache keeps what is left and is evicted
@@ -31,8 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from apc.prefix_cache import PENDING  # a lookup still reading from disk (``CacheHooks.lookup``)
-from engine.budget import StaticBudget
-from engine.pricing import Reservation
+from engine.admission import Reservation, StaticBudget
 from engine.request import FinishReason, Request, RequestId, RequestStatus
 from engine.step_types import PrefillChunk, StepPlan, StepResult
 
@@ -66,7 +65,7 @@ class SchedulerConfig:
     device) before it reads them back, so the host's work overlaps the device's (``Engine.step``);
     ``batch_prefill``: a step's prompt chunks of similar lengths run in one forward
     (``ModelRunner``; False runs each in its own); ``compile_decode``: the decode forward runs
-    under ``mx.compile``, one graph per shape bucket (``engine/compiled_step.py``; False:
+    under ``mx.compile``, one graph per shape bucket (``engine/forward.py: DecodeGraphs``; False:
     ``--enforce-eager``, the same step built in Python every time)."""
 
     max_num_seqs: int = 64
@@ -93,7 +92,7 @@ class Scheduler:
     Invariants: a request is in at most one queue (pending forks live beside their parent);
     ``running`` keeps admission order; a row that finished or was aborted is reported in the
     next plan's ``freed`` exactly once; ``reserved_bytes`` (what running requests hold or may
-    still take, ``engine/budget.py``) never exceeds the budget, and with what the prefix cache
+    still take, ``engine/admission.py``) never exceeds the budget, and with what the prefix cache
     keeps it does not exceed it after an admission.
     """
 
@@ -123,7 +122,7 @@ class Scheduler:
         """Whether rows finished since the last plan (the next plan reports them in ``freed``)."""
         return bool(self._freed)
 
-    # --- admission (one check: ``engine/budget.py``) ---
+    # --- admission (one check: ``engine/admission.py``) ---
     def fits_alone(self, request: Request, n: int = 1) -> bool:
         budget = self.config.kv_budget_bytes
         return budget is None or self.budget.cost(request, n) <= budget

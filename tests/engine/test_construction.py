@@ -6,10 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from apc.prefix_cache import PENDING
-from engine.budget import PoolBudget, StaticBudget
+from engine.admission import PoolBudget, Reservation, StaticBudget
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
-from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import PENDING as SCHEDULER_PENDING, Scheduler, SchedulerConfig
 

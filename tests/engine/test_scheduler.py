@@ -2,8 +2,7 @@
 
 import pytest
 
-from engine.budget import StaticBudget
-from engine.pricing import Reservation
+from engine.admission import Reservation, StaticBudget
 from engine.request import FinishReason, Request, RequestId, RequestStatus, SamplingParams
 from engine.scheduler import PENDING, Scheduler, SchedulerConfig
 from engine.step_types import PrefillChunk, SampledToken, StepResult
