@@ -23,7 +23,7 @@ from engine.request import FinishReason, Request, RequestId, RequestOutput, Samp
 from engine.scheduler import SchedulerConfig
 from engine.kv_config import ApcConfig, KVConfig
 from engine.memory import mlx_memory
-from engine.token_text import decode_exactly, token_bytes_of
+from engine.output import decode_exactly, token_bytes_of
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class EngineClient:
 
     def text_of(self, token_ids: list[int]) -> str:
         """The text of ``token_ids`` exactly as the engine's logprob entries piece it together
-        (``engine/token_text.py``): multi-byte characters split across tokens come out whole."""
+        (``engine/output.py``): multi-byte characters split across tokens come out whole."""
         return decode_exactly(token_bytes_of(self._require_tokenizer()), token_ids)
 
     # --- grammar constraints (engine/constraints.py) ---

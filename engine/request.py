@@ -111,7 +111,7 @@ class TokenLogprob:
     """One token with its log-probability under the model, and the top alternatives.
 
     ``logprob`` is None only for a prompt's first token (nothing predicts it). ``text`` is the
-    token's piece of its sequence's text (``engine/token_text.py``: the characters it completes,
+    token's piece of its sequence's text (``engine/output.py``: the characters it completes,
     "" inside a multi-byte character), ``raw`` its own bytes; ``top_text`` gives each of ``top``
     its piece in this place and its bytes. ``eos``: the EOS token that ended a choice (no text)."""
 

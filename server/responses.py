@@ -83,7 +83,7 @@ def shown_logprobs(kind: str, entries: Sequence[TokenLogprob]) -> list[TokenLogp
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """``token`` is the token's piece of the text (``engine/token_text.py``: "" inside a multi-byte
+    """``token`` is the token's piece of the text (``engine/output.py``: "" inside a multi-byte
     character, whose token that completes it carries it whole), ``bytes`` the token's own raw bytes."""
     def item(text: str, raw: bytes, logprob: float | None) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(raw)}

@@ -13,7 +13,7 @@ from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
-from engine.token_text import text_pieces, token_bytes_of
+from engine.output import text_pieces, token_bytes_of
 
 CHUNKED = SchedulerConfig(max_num_batched_tokens=256, prefill_chunk_size=128)  # a 300-token prompt: 3 chunks
 LAYOUTS = {"fp16": KVConfig("fp16"), "affine-4": KVConfig("affine", 4, 4), "kvarn-k4v2": KVConfig("kvarn", 4, 2)}

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig
 from engine.request import Request, RequestId, SamplingParams
-from engine.token_text import TextStream, decode_exactly, text_pieces, token_bytes_of
+from engine.output import TextStream, decode_exactly, text_pieces, token_bytes_of
 from tests.server.conftest import MODEL_DIR
 
 MULTIBYTE = "héllo → 日本語 😀 naïve «ß» ✓"
