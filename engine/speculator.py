@@ -30,7 +30,9 @@ from the steps themselves (a prior until it has seen both).
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,7 +50,7 @@ SHARED_DECAY = 0.98  # weight of the shared evidence's past at each new verify
 ROW_FADE = 0.9  # weight of a row's own evidence after each step
 ROW_WEIGHT = 4.0  # the shared evidence counts as this many draft tokens beside the row's own
 VERIFY_FIXED, VERIFY_PER_TOKEN = 0.2, 0.1  # prior: cost(B, T) / cost(B, 1) = 1 + fixed + per token
-COST_SMOOTHING = 0.2  # weight of a step's newest wall time in its (rows, tokens) average
+COST_WINDOW = 16  # the newest steps' wall times kept per (rows, tokens)
 COST_TRUST = 8  # measured steps after which a ratio no longer leans on the prior
 
 
@@ -153,32 +155,27 @@ def bucket_of(draft: Draft) -> int:
 
 class StepCosts:
     """cost(B, T) / cost(B, 1): a step of B decoding rows, the longest writing T tokens, against
-    the same rows writing one. Measured as each (row bucket, T)'s average wall time, from
-    ``plan_drafts`` to ``observe`` of steps without prompt chunks; leaning on the prior
-    1 + ``VERIFY_FIXED`` + ``VERIFY_PER_TOKEN`` * (T - 1) * (B + 2) / 3 until both are seen
-    (``COST_TRUST`` steps to stand alone). Never below 1: more tokens never make a step cheaper."""
+    the same rows writing one. Measured per (row bucket, T) as the median wall time, from
+    ``plan_drafts`` to ``observe``, of its last ``COST_WINDOW`` steps without prompt chunks (a
+    median: a graph's first trace or a tile's commit is a rare step many times slower), leaning
+    on the prior 1 + ``VERIFY_FIXED`` + ``VERIFY_PER_TOKEN`` * (T - 1) * (B + 2) / 3 until both
+    have ``COST_TRUST`` steps. Never below 1: more tokens never make a step cheaper."""
 
     def __init__(self) -> None:
-        self.seconds: dict[tuple[int, int], float] = {}
-        self.counts: dict[tuple[int, int], int] = {}
+        self.seconds: dict[tuple[int, int], deque[float]] = {}
 
     def ratio(self, rows: int, tokens: int) -> float:
-        if tokens <= 1:
-            return 1.0
-        prior = 1 + VERIFY_FIXED + VERIFY_PER_TOKEN * (tokens - 1) * (rows + 2) / 3
+        prior = 1 + VERIFY_FIXED + VERIFY_PER_TOKEN * (tokens - 1) * (rows + 2) / 3 if tokens > 1 else 1.0
         b = _row_bucket(rows)
-        base, longer = (b, 1), (b, tokens)
-        if base not in self.seconds or longer not in self.seconds:
+        base, longer = self.seconds.get((b, 1)), self.seconds.get((b, tokens))
+        if tokens <= 1 or not base or not longer:
             return prior
-        n = min(self.counts[base], self.counts[longer], COST_TRUST)
-        measured = self.seconds[longer] / self.seconds[base]
+        n = min(len(base), len(longer), COST_TRUST)
+        measured = statistics.median(longer) / statistics.median(base)
         return max(1.0, (n * measured + (COST_TRUST - n) * prior) / COST_TRUST)
 
     def add(self, rows: int, tokens: int, seconds: float) -> None:
-        key = (_row_bucket(rows), tokens)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - COST_SMOOTHING) * old + COST_SMOOTHING * seconds
-        self.counts[key] = self.counts.get(key, 0) + 1
+        self.seconds.setdefault((_row_bucket(rows), tokens), deque(maxlen=COST_WINDOW)).append(seconds)
 
 
 def _row_bucket(rows: int) -> int:

@@ -38,6 +38,7 @@ def test_step_costs_use_the_prior_then_measured_ratios_never_below_one():
         costs.add(1, 5, 0.030)
         costs.add(2, 1, 0.010)
         costs.add(2, 3, 0.005)  # a noisy measurement cheaper than a plain step
+    costs.add(1, 1, 1.0)  # one slow step (a trace, a commit) among them
     assert costs.ratio(1, 5) == pytest.approx(3.0)
     assert costs.ratio(2, 3) == 1.0
     assert costs.ratio(1, 9) == pytest.approx(1 + 0.2 + 0.1 * 8)  # never measured: the prior
