@@ -3,7 +3,8 @@ engine/verify.py, engine/acceptance.py): greedy tokens identical with and withou
 (fp16 and KVarN k4v2; a batch of rows, windows, n > 1 forks, prefix-cache hits, verifies up to
 a tile's end and drafts rejected near it), seeded sampling identical too, logprobs as without
 speculation; a rejected draft leaves no record and no block; an abort mid-verify frees the row;
-rows that must not speculate do not, and low acceptance pauses a row."""
+rows that must not speculate do not, a row whose drafts keep failing stops drafting, and adaptive
+draft lengths give the same tokens."""
 
 from __future__ import annotations
 
