@@ -20,13 +20,12 @@ from engine import EngineClient
 from server.config import ServerConfig
 from server.drain import CountInFlight, InFlight
 from server.errors import install_error_handlers
-from server.limits import BodyLimitMiddleware
+from server.middleware import BodyLimitMiddleware, SecurityMiddleware
 from server.metrics import Metrics
 from server.openapi import install_openapi
 from server.messages import router as messages_router
 from server.responses_api import router as responses_router
 from server.routes import router
-from server.security import SecurityMiddleware
 from server.tokenize import router as tokenize_router
 
 PREPARE_THREADS = 4  # prompts rendered and tokenized at once, beside the engine thread

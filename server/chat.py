@@ -25,7 +25,6 @@ from fastapi import Request
 from engine import EngineClient, FinishReason, ModelInfo, ParsedDelta, RequestOutput
 from server.chat_choices import choice_format
 from server.errors import APIError
-from server.limits import check_text_bound, prompt_text_chars
 from server.prepare import chat_prompt_ids, check_model, check_unsupported, sampling_params, system_prompt_end
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Job, finish_name
@@ -58,9 +57,29 @@ def loading() -> APIError:
 
 
 def check_bound(body: ChatCompletionRequest | CompletionRequest, info: ModelInfo) -> None:
-    """The cheap length bound, before a prompt is rendered or tokenized."""
-    check_text_bound(prompt_text_chars(body), info.context_length, info.max_token_chars,
-                     "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    """The cheap length bound, before a prompt is rendered or tokenized (tokenizing runs off the
+    event loop, but still costs a core): no token of the vocabulary covers more than
+    ``info.max_token_chars`` characters, so a text of more than ``context_length`` times that many
+    has more than ``context_length`` tokens. A bound, not an estimate: it never refuses a prompt
+    that would fit (tokenizers whose normalizer deletes characters aside); the exact check after
+    tokenizing still runs."""
+    num_chars, context_length, max_token_chars = prompt_text_chars(body), info.context_length, info.max_token_chars
+    if max_token_chars > 0 and num_chars > context_length * max_token_chars:
+        raise APIError(400, f"This model's maximum context length is {context_length} tokens, and the prompt's "
+                            f"{num_chars:,} characters are more than that many tokens of this vocabulary can hold "
+                            f"(at most {max_token_chars} characters a token). Please reduce the length of the prompt.",
+                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                       code="context_length_exceeded")
+
+
+def prompt_text_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """Characters of a request's text that every chat template renders (system, developer, user
+    and tool turns: a template may drop or shorten an assistant's earlier reasoning); for a list
+    of prompts, the longest. Under-counting only weakens the bound, never makes it wrong."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text()) for m in body.messages if m.role != "assistant")
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    return max((len(p) for p in prompts if isinstance(p, str)), default=0)
 
 
 def fingerprint(info: ModelInfo) -> str:

@@ -1,6 +1,9 @@
-"""Auth, the DNS-rebinding guard and the Origin check, as one ASGI middleware in front of every route.
+"""The server's two ASGI middlewares, in front of every route (outermost first): who may ask
+(``SecurityMiddleware``) and how much they may send (``BodyLimitMiddleware``). Their refusals
+are JSON in OpenAI's error shape, Anthropic's on the Messages API's paths
+(server/anthropic_errors.py).
 
-In this order:
+``SecurityMiddleware``: auth, the DNS-rebinding guard and the Origin check, in this order:
 1. On a loopback bind, a request whose ``Host`` header names anything but a loopback name (or an
    ``--allowed-host``) is refused: a web page that rebinds its own domain to 127.0.0.1 cannot
    reach the server.
@@ -13,15 +16,26 @@ In this order:
    from allowed origins pass (browsers never send credentials with them), and Starlette's CORS
    middleware behind this one answers them.
 
-On the Messages API's paths the refusals are in Anthropic's error shape (server/anthropic_errors.py).
+``BodyLimitMiddleware``: no request body beyond ``--max-request-bytes`` is ever read in full. A
+request whose ``Content-Length`` is over the limit is refused before any of its body is read, and
+the bytes of every body are counted as they arrive (chunked bodies too), so a body that grows
+past the limit is refused at that chunk; either way the answer is a 413. Once a request that
+sent a large body is done, malloc's free pages go back to the OS (JSON parsing and tokenizing a
+large body leave them in its arenas).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
+
+from starlette.exceptions import HTTPException
+
+from engine.memory import trim_host_memory
 
 from server.anthropic_errors import anthropic_error_body, is_messages_path
 from server.config import ServerConfig, is_loopback
@@ -61,6 +75,8 @@ def _host_name(host_header: str) -> str:
 
 
 class SecurityMiddleware:
+    """Refuses a request by its ``Host``, its ``Origin`` and its API key (module docstring)."""
+
     def __init__(self, app: Any, config: ServerConfig) -> None:
         self.app = app
         self.api_key = config.api_key
@@ -107,6 +123,81 @@ class SecurityMiddleware:
 
     def _is_allowed_origin(self, origin: str) -> bool:
         return self.any_origin or origin.strip().lower().rstrip("/") in self.origins
+
+
+TRIM_AFTER_BYTES = 2**20  # a request with a body this large gives malloc's free pages back when done
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` when a body passes the limit. An ``HTTPException`` so that FastAPI's
+    body reader re-raises it as is (it turns other errors into a 400); the app's handler for
+    ``HTTPException`` answers it in OpenAI's shape."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, too_large_message(limit))
+
+
+def too_large_message(limit: int) -> str:
+    return f"The request body is larger than this server accepts ({limit:,} bytes; kvarn serve --max-request-bytes)."
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware enforcing ``max_bytes`` on every HTTP request body."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope.get("headers", ()))
+        if declared is not None and declared > self.max_bytes:
+            await _reply_too_large(send, self.max_bytes, scope.get("path", ""))  # not one byte of the body is read
+            return
+        received = 0
+        started = False
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def tracked_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except BodyTooLarge:  # read outside a route (a route's own handler answers it there)
+            if started:
+                raise
+            await _reply_too_large(send, self.max_bytes, scope.get("path", ""))
+        finally:
+            if received >= TRIM_AFTER_BYTES:
+                await asyncio.to_thread(trim_host_memory)
+
+
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server's HTTP parser refuses it first
+    return None
+
+
+async def _reply_too_large(send: Any, limit: int, path: str) -> None:
+    await _reply(send, 413, _error(path, 413, too_large_message(limit), BodyTooLarge.code), {"connection": "close"})
 
 
 def _error(path: str, status: int, message: str, code: str) -> dict[str, Any]:
