@@ -334,7 +334,7 @@ class ModelRunner:
             tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
         with forward_context(self.batch.layers):
             logits = self.graphs.logits(tokens, self.batch.layers)  # planned as arrays, compiled by bucket
-            if logits is None:  # a step its storage plans on the host (fused kernels, layers of their own)
+            if logits is None:  # no one graph (layers of their own): the storage steps layer by layer
                 logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
         mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
