@@ -287,7 +287,7 @@ def main() -> int:
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
-                   help="override an integer module constant first (e.g. metal.paged_plan.SINGLE_MAX_TILES=64)")
+                   help="override an integer module constant first (e.g. metal.paged_plan.BLOCKS_PER_SM=4)")
     args = p.parse_args()
     import importlib
     for item in args.set:

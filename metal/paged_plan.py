@@ -23,12 +23,11 @@ from metal.device import planning_sms
 
 BLOCKS_PER_SM = 3  # the tensor-core body's resident blocks (58.7 KB of shared memory each at k4v2): one wave of splits
 SCALAR_BLOCKS_PER_SM = 16  # the scalar body's split target (measured on the H200: 4 left the multiprocessors idle)
-# one work item a row (one launch, no combine) when rows x KV heads fill a wave of BLOCKS_PER_SM blocks a
-# multiprocessor, or when no row has more tiles than SINGLE_MAX_TILES (the best of both plans at each shape measured
-# on the H200: docs/benchmarks.md, "Kernels"). A few long rows are split: the kernel benchmark favoured one item a
-# row for <= 32 row-heads (1 x 32k: 0.054 vs 0.073 ms), but through the engine one 16k row decoded in 11.8 ms a step
-# split against 18.5 ms as one item (8B shape, same place): 8 blocks streaming 130 tiles each left the GPU waiting
-SINGLE_MAX_TILES = 64
+# one work item a row (one launch, no combine) only when rows x KV heads fill a wave of BLOCKS_PER_SM blocks a
+# multiprocessor; fewer rows are split, however short. In isolation (bench/kernel_decode.py, its K/V re-read from
+# the L2 cache) one item a row looked faster up to 64 tiles, but inside the engine's step, K/V streamed from HBM,
+# one row at 4k decoded in 11.1 ms a step split against 12.5 ms as one item, at 1k 10.2 against 10.6 (H100, 8B
+# shape): 8 blocks streaming a row each leave the GPU waiting (docs/benchmarks.md, "Kernels").
 
 
 @dataclass(frozen=True)
@@ -62,8 +61,8 @@ def plan_splits(num_tiles: Sequence[int], tail_len: Sequence[int], n_kv_heads: i
     """Cut each row's tiles (sink, records, tail if non-empty) into work items.
 
     ``num_sms``: the multiprocessors to fill (None: the device's, ``metal.device.planning_sms``).
-    ``single`` (None: when rows x KV heads >= BLOCKS_PER_SM x num_sms, or no row has more than
-    SINGLE_MAX_TILES tiles): one item a row, so the attention launch writes the output itself.
+    ``single`` (None: when rows x KV heads >= BLOCKS_PER_SM x num_sms): one item a row, so the
+    attention launch writes the output itself.
     Else splits of about the same size: the batch's tiles over about blocks_per_sm x num_sms blocks,
     so one long row, many short rows and a mix all fill the GPU; a row gets round(its tiles / split
     size) splits, at least one (splits of at least ``min_split`` tiles)."""
@@ -71,7 +70,7 @@ def plan_splits(num_tiles: Sequence[int], tail_len: Sequence[int], n_kv_heads: i
     counts = [1 + n + (t > 0) for n, t in zip(num_tiles, tail_len)]
     if single is None:
         blocks = len(counts) * n_kv_heads
-        single = blocks >= BLOCKS_PER_SM * num_sms or max(counts, default=0) <= SINGLE_MAX_TILES
+        single = blocks >= BLOCKS_PER_SM * num_sms
     if single:
         return [(b, 0, c) for b, c in enumerate(counts)]
     target_items = max(1, (blocks_per_sm * num_sms) // max(1, n_kv_heads))
@@ -102,11 +101,11 @@ def make_plan(slots: Sequence[int], sink_len: Sequence[int], tail_len: Sequence[
 def static_splits(rows: int, table_width: int, n_kv_heads: int, num_sms: int | None = None) -> int:
     """Work items a row for a step whose shapes are fixed ahead (a compiled decode step: ``rows``
     rows padded to a bucket, block tables ``table_width`` wide), decided from those shapes only:
-    one a row where rows x KV heads fill a wave or rows have at most SINGLE_MAX_TILES tiles (as
-    ``plan_splits``), else enough for about a wave of blocks, at most a row's widest tile count."""
+    one a row where rows x KV heads fill a wave (as ``plan_splits``), else enough for about a wave
+    of blocks, at most a row's widest tile count."""
     num_sms = planning_sms(num_sms)
     tiles = table_width + 2  # the sink, the records, the tail
-    if rows * n_kv_heads >= BLOCKS_PER_SM * num_sms or tiles <= SINGLE_MAX_TILES:
+    if rows * n_kv_heads >= BLOCKS_PER_SM * num_sms:
         return 1
     return max(1, min(tiles, (BLOCKS_PER_SM * num_sms // max(1, n_kv_heads)) // max(1, rows)))
 

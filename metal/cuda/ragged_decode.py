@@ -42,12 +42,10 @@ NUM_THREADS = 128  # one block: 4 warps
 # (all tokens x KV heads) / (TARGET_WAVES waves) tokens, so a long row does not leave the GPU idle behind it;
 # never into splits shorter than MIN_SPLIT tokens (rows under 2 x MIN_SPLIT tokens stay one item: a split's
 # fixed cost, its query load, merge and partial write, would outweigh its ~MIN_SPLIT x 512 bytes of K/V a head).
-# One item a row, whatever the rest says, for at most SINGLE_MAX_ROW_HEADS rows x KV heads of at most
-# SINGLE_MAX_TOKENS tokens: measured on the H200 (bench/kernel_ragged_decode.py, docs/benchmarks.md, "Kernels"),
-# one item a row beat the split plan at 1 x 4k (0.030 vs 0.042 ms), 1 x 16k (0.078 vs 0.102) and 16 x 4k
-# (0.110 vs 0.124), and lost at 16 x 32k (1.08 vs 0.67) and at 32 rows and more.
-SINGLE_MAX_ROW_HEADS = 128
-SINGLE_MAX_TOKENS = 16384
+# The kernel benchmark (bench/kernel_ragged_decode.py, its K/V re-read from the L2 cache) favoured one item a row
+# for a few rows of up to 16k tokens, but inside the engine's step, K/V streamed from HBM, one 4k row decoded in
+# 9.3 ms a step split against 12.2 ms as one item, at 1k 8.6 against 9.0 (H100, 8B shape): so there is no
+# one-item exception for few rows (docs/benchmarks.md, "Kernels").
 RESIDENT_BLOCKS = 3  # blocks resident per SM (an estimate from the register count: bench --compile)
 TARGET_WAVES = 2
 MIN_SPLIT = 256
@@ -101,15 +99,12 @@ def plan_splits(lengths: Sequence[int], n_kv_heads: int, num_sms: int | None = N
     """Cut each row's tokens [0, length) into work items (row, first, end), in row order.
 
     ``single`` True: one item a row; False: the finest split (``per = min_split``, whatever the
-    batch); None: the policy (one item a row for at most SINGLE_MAX_ROW_HEADS row-heads of at most
-    SINGLE_MAX_TOKENS tokens, else splits). Split size: ``per = max(min_split, ceil(sum(lengths)
+    batch); None: the policy below. Split size: ``per = max(min_split, ceil(sum(lengths)
     x n_kv_heads / (waves x num_sms x resident_blocks)))`` tokens; row b gets ``max(1, min(ceil(len /
     per), len // min_split))`` items of about the same size, inner edges rounded to multiples of
     ``align`` (so every item has >= min_split - align tokens unless the row is shorter). ``num_sms``:
     the multiprocessors to fill (None: the device's, ``metal.device.planning_sms``)."""
     lengths = [int(n) for n in lengths]
-    if single is None and len(lengths) * n_kv_heads <= SINGLE_MAX_ROW_HEADS and max(lengths) <= SINGLE_MAX_TOKENS:
-        single = True
     if single:
         return [(b, 0, n) for b, n in enumerate(lengths)]
     target = max(1, waves * planning_sms(num_sms) * resident_blocks)
@@ -147,11 +142,7 @@ def make_plan(slots: Sequence[int], lengths: Sequence[int], n_kv_heads: int, **p
 def static_splits(rows: int, tokens: int, n_kv_heads: int, num_sms: int | None = None) -> int:
     """Work items a row for a step whose shapes are fixed ahead (a compiled decode step: ``rows``
     padded to a bucket, rows of at most ``tokens`` tokens), from those shapes alone, by
-    ``plan_splits``' policy at that size: one a row where it would give one, else the split count
-    of a ``tokens``-long row."""
-    single = rows * n_kv_heads <= SINGLE_MAX_ROW_HEADS and tokens <= SINGLE_MAX_TOKENS
-    if single:
-        return 1
+    ``plan_splits``' policy at that size: the split count of a ``tokens``-long row."""
     target = max(1, TARGET_WAVES * planning_sms(num_sms) * RESIDENT_BLOCKS)
     per = max(1, MIN_SPLIT, math.ceil(rows * tokens * n_kv_heads / target))
     return max(1, min(-(-tokens // per), tokens // MIN_SPLIT))

@@ -125,10 +125,13 @@ def broken(change: tuple[str, str]) -> str:
 @needs_gxx
 @pytest.mark.parametrize("change", [NO_RESCALE, K_SWAP], ids=["no-rescale", "k-swap"])
 def test_emulated_broken_bodies_are_caught(change):
-    """The comparison discriminates: a broken body is far off float64 on rows of several tiles."""
+    """The comparison discriminates: a broken body is far off float64 on rows of several tiles
+    (one work item a row, so each item runs its online softmax across tiles)."""
     case = make_case([3 * 64 + 5, 2 * 64 + 9], n_kv_heads=1, n_rep=2, head_dim=64, tile_size=64, key_bits=4,
                      value_bits=2, seed=3)
-    got = metal_emulator.emulated_paged_decode_attention(source=broken(change), **case.kwargs())
+    L = case.lengths
+    plan = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, 1, single=True)
+    got = metal_emulator.emulated_paged_decode_attention(source=broken(change), **case.kwargs(), plan=plan)
     assert max_rel_error(got, numpy_attention(case)) > 10 * TOL
 
 

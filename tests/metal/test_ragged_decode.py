@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from metal import KERNELS
-from metal.cuda.ragged_decode import MIN_SPLIT, RESIDENT_BLOCKS, SINGLE_MAX_ROW_HEADS, SPLIT_ALIGN, TARGET_WAVES, \
+from metal.cuda.ragged_decode import MIN_SPLIT, RESIDENT_BLOCKS, SPLIT_ALIGN, TARGET_WAVES, \
     check_arguments, is_supported, make_plan, plan_splits, ragged_decode_attention
 from metal.cuda.ragged_decode import RaggedPlan, planned_attention, static_plan, static_splits
 from metal.reference import reference_ragged_decode_attention
@@ -140,14 +140,15 @@ def test_plan_policy():
     wave = SMS * RESIDENT_BLOCKS
     assert len(plan_splits([2 * MIN_SPLIT - 1], 8, num_sms=SMS)) == 1
     assert len(plan_splits([300, 5, 77], 8, num_sms=SMS)) == 3
-    assert len(plan_splits([2 * MIN_SPLIT] * 17, 8, num_sms=SMS)) == 34  # past SINGLE_MAX_ROW_HEADS: split
+    assert len(plan_splits([2 * MIN_SPLIT] * 17, 8, num_sms=SMS)) == 34
     assert make_plan(range(128), [1000] * 128, 8, num_sms=SMS).final  # 1024 row-heads of 1000 tokens: one launch
-    for B, T in [(1, 4096), (1, 16384), (16, 4096)]:  # few row-heads, rows of <= SINGLE_MAX_TOKENS: one launch
-        assert B * 8 <= SINGLE_MAX_ROW_HEADS and len(plan_splits([T] * B, 8, num_sms=SMS)) == B
+    for B, T in [(1, 4096), (1, 16384), (16, 4096)]:  # few rows, however short: split (K/V streams from HBM)
+        work = plan_splits([T] * B, 8, num_sms=SMS)
+        assert len(work) >= 4 * B and all(hi - lo >= MIN_SPLIT - SPLIT_ALIGN for _, lo, hi in work)
     for B, T in [(32, 4096), (32, 16384), (16, 32768), (64, 8192)]:
         work = plan_splits([T] * B, 8, num_sms=SMS)
         assert TARGET_WAVES * wave * 0.95 <= _blocks(work) <= 2 * TARGET_WAVES * wave, (B, T, len(work))
-    # a row past SINGLE_MAX_TOKENS; MIN_SPLIT binds: as many splits as it allows
+    # a long row; MIN_SPLIT binds: as many splits as it allows
     work = plan_splits([70 * MIN_SPLIT], 8, num_sms=SMS)
     assert len(work) == 70
     ragged = [int(n) for n in np.linspace(1000, 16000, 32)]
@@ -244,7 +245,8 @@ def test_static_plan_gives_every_row_the_same_items_covering_its_tokens_once():
             items = work.tolist()[b * splits: (b + 1) * splits]
             assert all(i[0] == b for i in items)
             assert [t for _, lo, hi in items for t in range(lo, hi)] == list(range(n))  # some items empty
-    assert static_splits(1, 4096, 8, num_sms=132) == 1  # one short row: one item
+    assert static_splits(1, 4096, 8, num_sms=132) == 4096 // MIN_SPLIT  # one row: split (K/V streams from HBM)
+    assert static_splits(1, MIN_SPLIT, 8, num_sms=132) == 1  # a row shorter than two splits: one item
     assert static_splits(32, 16384, 8, num_sms=132) > 1
 
 
