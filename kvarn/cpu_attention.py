@@ -31,8 +31,9 @@ records' affine factors go on the small side of each product instead of on the c
 
 A byte's fields hold consecutive tokens (keys) or channels (values), so the products of field j
 are every (8/b)-th column of the result: they are interleaved back. The unpacked codes of a
-layer are transient (never kept) and made ``CHUNK_CODES`` at a time, so they stay in the cache
-between the kernel that writes them and the product that reads them.
+layer are transient (never kept) and made ``CHUNK_CODES`` at a time: a step's float32 copy of
+a layer's codes is bounded (unchunked, 64 rows of 2,000 tokens wrote 270 MiB a layer and took
+2.9x as long as in chunks of 8 MiB).
 """
 
 from __future__ import annotations
