@@ -10,13 +10,17 @@ First the greedy continuations of every prompt are recorded in this process (the
 speculation, the server's default layout) and the draft is written; then four servers run
 (``--no-apc``, so no arm reuses another round's prompt) and each scenario's rounds send the same
 requests to each arm in turn (the arm order rotates by round). Per arm: generated tokens / wall time, median over the
-rounds, its ratio to no speculation, and the acceptance over the scenario (drafted and accepted
-tokens from ``/health``). Scenarios:
+rounds; its ratio to no speculation as the median of the rounds' paired ratios (each round's tok/s over the
+same round's no-speculation tok/s, so load that drifts between rounds cancels), with their range; and the
+acceptance over the scenario (drafted and accepted tokens from ``/health``). Prompt lookup runs with
+``--num-speculative-tokens 8 --speculative-ngram-max 8`` (adaptive lengths: short drafts when the match is
+weak); the oracle and the draft model with k = 4. Scenarios:
 
 - long greedy, c = 1 and c = 4: chat prompts, 384 tokens each with ``ignore_eos`` (this small
   model falls into repeats, which prompt lookup predicts);
 - short open chat, c = 1: 64 tokens, stops at EOS;
-- wide batches, c = 16 and c = 64: speculation must not cost throughput there.
+- wide batches, c = 16 and c = 64 (6 rounds each, every prompt sent twice): speculation must not cost
+  throughput there.
 """
 
 from __future__ import annotations
@@ -56,17 +60,19 @@ class Scenario:
     per_round: int
     max_tokens: int
     ignore_eos: bool
+    repeat: int = 1  # the prompts sent this many times over (more rounds)
 
 
 SCENARIOS = [
     Scenario("long greedy, c=1", 1, LONG, 2, 384, True),
     Scenario("long greedy, c=4", 4, LONG, 4, 384, True),
     Scenario("short open chat, c=1", 1, SHORT, 4, 64, False),
-    Scenario("wide, c=16", 16, WIDE[:48], 16, 64, True),
-    Scenario("wide, c=64", 64, WIDE * 3, 64, 32, True),
+    Scenario("wide, c=16", 16, WIDE[:48], 16, 64, True, repeat=2),
+    Scenario("wide, c=64", 64, WIDE * 3, 64, 32, True, repeat=2),
 ]
 ARMS = ("off", "ngram", "oracle", "draft")
 DRAFT_LAYERS = (0, 6)  # the bundled model's first and next-to-last layers (closest of the pairs tried)
+NGRAM_FLAGS = ("--num-speculative-tokens", "8", "--speculative-ngram-max", "8")
 LD_PRELOAD = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
@@ -102,7 +108,7 @@ def start(arm: str, port: int, tmp: Path, log: Path) -> subprocess.Popen:
     if arm == "off":
         cmd = [sys.executable, "-m", "server.cli", *flags]
     elif arm == "ngram":
-        cmd = [sys.executable, "-m", "server.cli", *flags, "--speculative", "ngram"]
+        cmd = [sys.executable, "-m", "server.cli", *flags, "--speculative", "ngram", *NGRAM_FLAGS]
     elif arm == "draft":
         cmd = [sys.executable, "-m", "server.cli", *flags, "--speculative", "draft",
                "--draft-model", str(tmp / "draft")]
@@ -153,10 +159,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json-out", default=str(ROOT / "bench" / "results" / "speculative-cpu.json"))
     parser.add_argument("--base-port", type=int, default=18740)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms, off first (of {ARMS})")
     parser.add_argument("--scenarios", default=None, metavar="TAGS",
                         help="only the scenarios whose name ends with one of these comma-separated tags "
                              "(e.g. c=1,c=4; default: all)")
     args = parser.parse_args()
+    arms = tuple(a.strip() for a in args.arms.split(","))
+    if arms[0] != "off" or not set(arms) <= set(ARMS):
+        parser.error(f"--arms: off first, then any of {ARMS}")
     tags = tuple(t.strip() for t in args.scenarios.split(",")) if args.scenarios else None
     scenarios = [s for s in SCENARIOS if tags is None or s.name.endswith(tags)]
     tmp = Path(tempfile.mkdtemp(prefix="kvarn-spec-"))
@@ -164,29 +174,33 @@ def main() -> int:
     from engine.draft_model import write_layer_subset
     from engine.loader import BUNDLED_MODEL_DIR
 
-    write_layer_subset(BUNDLED_MODEL_DIR, tmp / "draft", DRAFT_LAYERS)
-    urls = {arm: f"http://127.0.0.1:{args.base_port + i}" for i, arm in enumerate(ARMS)}
-    procs = {arm: start(arm, args.base_port + i, tmp, tmp / f"{arm}.log") for i, arm in enumerate(ARMS)}
+    if "draft" in arms:
+        write_layer_subset(BUNDLED_MODEL_DIR, tmp / "draft", DRAFT_LAYERS)
+    urls = {arm: f"http://127.0.0.1:{args.base_port + i}" for i, arm in enumerate(arms)}
+    procs = {arm: start(arm, args.base_port + i, tmp, tmp / f"{arm}.log") for i, arm in enumerate(arms)}
     results = []
     try:
         for arm, proc in procs.items():
             wait_ready(urls[arm], proc)
         for s in scenarios:
-            rounds = len(s.prompts) // s.per_round
-            rates: dict[str, list[float]] = {arm: [] for arm in ARMS}
-            before = {arm: acceptance(urls[arm]) for arm in ARMS}
+            sent = s.prompts * s.repeat
+            rounds = len(sent) // s.per_round
+            rates: dict[str, list[float]] = {arm: [] for arm in arms}
+            before = {arm: acceptance(urls[arm]) for arm in arms}
             for r in range(rounds):
-                prompts = s.prompts[r * s.per_round: (r + 1) * s.per_round]
-                for arm in ARMS[r % len(ARMS):] + ARMS[: r % len(ARMS)]:  # the order rotates by round
+                prompts = sent[r * s.per_round: (r + 1) * s.per_round]
+                for arm in arms[r % len(arms):] + arms[: r % len(arms)]:  # the order rotates by round
                     tokens, wall = asyncio.run(run_round(urls[arm], s, prompts))
                     rates[arm].append(tokens / wall)
             row = {"scenario": s.name, "concurrency": s.concurrency, "max_tokens": s.max_tokens, "rounds": rounds,
                    "requests_per_round": s.per_round}
-            for arm in ARMS:
+            for arm in arms:
                 drafted, accepted = (a - b for a, b in zip(acceptance(urls[arm]), before[arm]))
                 median = statistics.median(rates[arm])
+                paired = [x / off for x, off in zip(rates[arm], rates["off"])]
                 row[arm] = {"tok_s": round(median, 1), "rounds_tok_s": [round(x, 1) for x in rates[arm]],
-                            "vs_off": round(median / statistics.median(rates["off"]), 2),
+                            "vs_off": round(statistics.median(paired), 3),
+                            "vs_off_range": [round(min(paired), 3), round(max(paired), 3)],
                             "draft_tokens": drafted, "accepted_tokens": accepted,
                             "acceptance": round(accepted / drafted, 3) if drafted else None}
             results.append(row)
@@ -196,13 +210,15 @@ def main() -> int:
             proc.terminate()
             proc.wait(30)
     out = {"device": "CPU (MLX CPU backend, OpenBLAS), 2 cores shared", "model": "fixture-chat-29m-q8",
-           "kv_layout": "kvarn k4v2 (default)", "num_speculative_tokens": 4,
+           "kv_layout": "kvarn k4v2 (default)", "ngram_flags": list(NGRAM_FLAGS),
+           "num_speculative_tokens": 4, "arms": list(arms),
            "draft_model": f"fixture-chat-29m-q8, layers {DRAFT_LAYERS} of 8", "results": results}
     Path(args.json_out).write_text(json.dumps(out, indent=1) + "\n")
-    print("| scenario | off tok/s | " + " | ".join(f"{a} tok/s (x, acceptance)" for a in ARMS[1:]) + " |")
-    print("|---" * (len(ARMS) + 1) + "|")
+    print("| scenario | off tok/s | " + " | ".join(f"{a} tok/s (x [range], acceptance)" for a in arms[1:]) + " |")
+    print("|---" * (len(arms) + 1) + "|")
     for row in results:
-        cells = [f"{row[a]['tok_s']} ({row[a]['vs_off']}x, {row[a]['acceptance']})" for a in ARMS[1:]]
+        cells = [f"{row[a]['tok_s']} ({row[a]['vs_off']}x [{row[a]['vs_off_range'][0]}-{row[a]['vs_off_range'][1]}], "
+                 f"{row[a]['acceptance']})" for a in arms[1:]]
         print(f"| {row['scenario']} | {row['off']['tok_s']} | " + " | ".join(cells) + " |")
     return 0
 
