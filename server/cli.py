@@ -107,11 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--draft-model", default=None, metavar="PATH",
                       help="the draft model for --speculative draft: a local mlx-lm model folder with the "
                            "model's tokenizer (checked at start-up)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                      help="most drafted tokens a row verifies in one step (default: %(default)s)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                      help="most drafted tokens a row verifies in one step; how many it drafts is chosen "
+                           "each step from acceptance and verify cost (default: 8 with ngram, 4 with a "
+                           "draft model, whose drafts cost a forward each)")
     spec.add_argument("--speculative-ngram-min", type=int, default=2, metavar="N",
                       help="shortest suffix prompt lookup matches (default: %(default)s)")
-    spec.add_argument("--speculative-ngram-max", type=int, default=4, metavar="N",
+    spec.add_argument("--speculative-ngram-max", type=int, default=8, metavar="N",
                       help="longest suffix prompt lookup matches (default: %(default)s)")
     spec.add_argument("--speculative-max-batch", type=int, default=8, metavar="ROWS",
                       help="no speculation in a step with more decoding rows than this (default: %(default)s)")

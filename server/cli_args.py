@@ -83,7 +83,10 @@ def spec_config(args: argparse.Namespace):  # -> engine.speculator.SpecConfig | 
     from engine.speculator import SpecConfig
 
     try:
-        config = SpecConfig(args.speculative, args.num_speculative_tokens, args.speculative_ngram_min,
+        k = args.num_speculative_tokens
+        if k is None:  # a draft model's drafts cost a forward each: fewer by default
+            k = 8 if args.speculative == "ngram" else 4
+        config = SpecConfig(args.speculative, k, args.speculative_ngram_min,
                             args.speculative_ngram_max, args.speculative_max_batch, args.draft_model)
         if config.method == "draft":  # refused here, before either model loads
             from engine.draft_model import check_draft_folder

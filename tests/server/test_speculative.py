@@ -25,7 +25,8 @@ REPEATING = "Repeat after me ten times: the quick brown fox jumps over the lazy 
 
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with served(tmp_path_factory, "speculative", "--speculative", "ngram", "--num-speculative-tokens", "4") as srv:
+    with served(tmp_path_factory, "speculative", "--speculative", "ngram", "--num-speculative-tokens", "4",
+                "--speculative-ngram-max", "4") as srv:
         yield srv
 
 
@@ -134,3 +135,18 @@ def test_draft_flags_and_a_draft_with_another_vocabulary_stop_the_server_before_
         result = subprocess.run([sys.executable, "-m", "server.cli", "serve", *flags], capture_output=True,
                                 text=True, timeout=60, cwd=REPO_ROOT)
         assert result.returncode != 0 and message in result.stderr, (flags, result.stderr[-500:])
+
+
+def test_draft_length_defaults_by_method():
+    """Without --num-speculative-tokens, prompt lookup may draft up to 8 tokens and match suffixes
+    of up to 8 (its adaptive length pays there); a draft model up to 4 (each draft costs a forward)."""
+    from server.cli import build_parser
+    from server.cli_args import spec_config
+
+    def config(*flags):
+        return spec_config(build_parser().parse_args(["serve", *flags]))
+
+    ngram = config("--speculative", "ngram")
+    assert (ngram.num_tokens, ngram.ngram_max) == (8, 8)
+    assert config("--speculative", "ngram", "--num-speculative-tokens", "3").num_tokens == 3
+    assert config() is None
