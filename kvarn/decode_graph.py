@@ -19,8 +19,8 @@ is the plan's ``static`` part: rows padded to a bucket (1, 2, 4, 8, ...), block 
 a width bucket, the number of commits padded to a bucket, where the batch's windows or slots
 start, the storage's shapes. So one compiled graph serves every step of the same bucket
 (``engine/forward.py: DecodeGraphs`` keeps them). Padding rows decode token 0 at position 0, write to
-the pool's reserved pad window (id 0; slots: a stale position of a slot inside the batch's
-slice, which its own row rewrites before reading) and attend one valid position; a padding
+the pool's reserved pad window (id 0; slots: the last position of a free slot after the batch's,
+or no padding where none is free) and attend one valid position; a padding
 commit quantizes the pad window into the pad block (id 0, never read unmasked). Their outputs
 are never read.
 

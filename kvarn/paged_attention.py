@@ -1,10 +1,12 @@
 """Decode attention of paged KVarN rows (``kvarn.paged``) after their step's write
-(``kvarn.paged_step.decode_update``): every row of one layer over its window and its records.
+(``kvarn.decode_graph.PagedStepLayer``): every row of one layer over its window and its records.
 
 Through the fused kernel where ``metal.KERNELS`` has one for this device and shape (CUDA, or Metal
-on an Apple GPU: it reads the pool in place), else straight from the pool's codes where MLX reads
-quantized codes (the CPU, Metal: ``mx.gather_qmm``), else one SDPA over the records gathered and
-dequantized (the reference path), under the step's per-row validity mask.
+on an Apple GPU: it reads the pool in place), else from the codes of the rows' gathered records
+where MLX reads quantized codes (the CPU: unpacked to float32 for OpenBLAS products,
+``kvarn.cpu_attention``, for 2-, 4- and 8-bit codes; Metal and other widths:
+``mx.quantized_matmul``), else one SDPA over the records gathered and dequantized (the reference
+path), under the step's per-row validity mask.
 """
 
 from __future__ import annotations
