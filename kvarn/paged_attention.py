@@ -1,19 +1,18 @@
 """Decode attention of paged KVarN rows (``kvarn.paged``) after their step's write
 (``kvarn.decode_graph.PagedStepLayer``): every row of one layer over its window and its records.
 
-Through the fused kernel where ``metal.KERNELS`` has one for this device and shape (CUDA, or Metal
-on an Apple GPU: it reads the pool in place), else from the codes of the rows' gathered records
-where MLX reads quantized codes (the CPU: unpacked to float32 for OpenBLAS products,
-``kvarn.cpu_attention``, for 2-, 4- and 8-bit codes; Metal and other widths:
-``mx.quantized_matmul``), else one SDPA over the records gathered and dequantized (the reference
-path), under the step's per-row validity mask.
+Where ``metal.KERNELS`` has a fused kernel for this device and shape (CUDA, or Metal on an Apple
+GPU: it reads the pool in place) the step calls it itself (``PagedStepLayer``). Here: from the
+codes of the rows' gathered records where MLX reads quantized codes (the CPU: unpacked to float32
+for OpenBLAS products, ``kvarn.cpu_attention``, for 2-, 4- and 8-bit codes; Metal and other
+widths: ``mx.quantized_matmul``), else one SDPA over the records gathered and dequantized (the
+reference path), under the step's per-row validity mask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 
@@ -22,41 +21,12 @@ from kvarn.pool import RECORD_FIELDS, dequantize_blocks
 from kvarn.quantize import rotate
 from metal import KERNELS
 from metal.selector import FUSED
-from metal.paged_plan import make_plan
-
-if TYPE_CHECKING:  # annotations only: ``kvarn.paged`` imports this module
-    from kvarn.paged import PagedLayer
 
 
 def attention_dtype(queries: mx.array) -> mx.Dtype:
     """Float32 where that is the compute dtype, else float16 (the storage dtype: bfloat16 would
     round the float16 history again)."""
     return mx.float32 if queries.dtype == mx.float32 else mx.float16
-
-
-def decode_attention(queries: mx.array, layers: Sequence[PagedLayer], index: StepIndex, scale: float) -> mx.array:
-    """Decode attention of every row of one layer (queries [B, n_q, 1, D]) after ``decode_update``:
-    the fused kernel (``metal.cuda.paged_decode``, on Apple GPUs ``metal.msl.paged_decode``: reads
-    the pool in place) where ``metal.KERNELS`` has one for the shape,
-    else one SDPA over [window (sink, tail) | records]
-    gathered and dequantized from the pool (the reference path; where MLX reads quantized codes,
-    the CPU and Metal, the records are read straight from the pool's codes instead:
-    ``_quantized_matmul_attention``)."""
-    view0 = layers[0]
-    a = view0.row.pool.layers[view0.l]
-    layout = view0.layout
-    H, D = a.win_k.shape[1], a.win_k.shape[3]
-    kernel = KERNELS.paged_decode(head_dim=D, tile_size=layout.tile_size, key_bits=layout.key_bits,
-                                  value_bits=layout.value_bits, n_rep=queries.shape[1] // H)
-    if kernel is not None and a.win_k.dtype == mx.float16 and queries.dtype != mx.float32:
-        L = index.lengths
-        plan = index.plans.get(H)
-        if plan is None:
-            plan = index.plans[H] = make_plan(L.slots, L.sink_len, L.tail_len, L.num_tiles, H)
-        return kernel(queries=queries, records=a.records, win_k=a.win_k, win_v=a.win_v, table=index.table,
-                      lengths=L, scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, plan=plan)
-    return decode_attention_over(queries, a, layout, scale, windows=index.windows, win_len=index.win_len,
-                                 table=index.table, mask=index.mask)
 
 
 @dataclass(frozen=True)
@@ -116,7 +86,7 @@ def reads_codes_directly() -> bool:
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
-def _windows(a: Any, index: StepIndex) -> tuple[mx.array, mx.array]:
+def _windows(a: Any, index: Attended) -> tuple[mx.array, mx.array]:
     """The batch's windows, their first ``index.win_len`` tokens (a slice when consecutive)."""
     w, n = index.windows, index.win_len
     if isinstance(w, tuple):
@@ -124,7 +94,7 @@ def _windows(a: Any, index: StepIndex) -> tuple[mx.array, mx.array]:
     return a.win_k[w][:, :, :n], a.win_v[w][:, :, :n]
 
 
-def _quantized_matmul_attention(queries: mx.array, a: Any, index: StepIndex, layout: Any, scale: float) -> mx.array:
+def _quantized_matmul_attention(queries: mx.array, a: Any, index: Attended, layout: Any, scale: float) -> mx.array:
     """The reference path where MLX reads quantized codes (CPU, Metal): scores and values of the
     records straight from their codes, the windows by plain matmuls, one softmax under the step's
     validity mask, in float32; the factored form keeps the per-token factors (k_r, v_c) outside
