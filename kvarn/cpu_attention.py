@@ -21,7 +21,7 @@ Decode attention over KVarN records (``record_scores``, ``record_values``) multi
 records' integer codes unpacked to float32 instead of through MLX's CPU ``quantized_matmul``,
 which dequantizes every code once for every query row in a scalar loop (and again for the next
 row). A code of b bits (b = 2, 4, 8) is one of the 8/b fields of a byte: one compiled elementwise
-kernel unpacks them all, ``(byte >> b*j) & (2**b - 1)`` to float32, then one OpenBLAS product; the
+kernel a field, ``(byte >> b*j) & (2**b - 1)`` to float32, then an OpenBLAS product; the
 records' affine factors go on the small side of each product instead of on the codes:
 
     keys   K[g, d] = (code[d, g] * alpha[d] + beta[d]) * r[g]
@@ -29,11 +29,9 @@ records' affine factors go on the small side of each product instead of on the c
     values V[g, d] = (code[g, d] * alpha[g] + beta[g]) * c[d]
            p @ V    = c * ((p * alpha) @ code + p . beta)                    per block, summed
 
-A byte's fields hold consecutive tokens (keys) or channels (values), low bits first: unpacked
-along a new last axis and flattened, the fields of byte i land at columns i*(8/b) + j, the
-result's own order, so every field goes through one kernel and one product (a product and a
-kernel a field, then their columns interleaved, made a step's graph ~130 nodes a layer larger
-on the bundled model). The unpacked codes of a layer are transient (never kept) and made ``CHUNK_CODES`` at a time: a step's float32 copy of
+A byte's fields hold consecutive tokens (keys) or channels (values), so the products of field j
+are every (8/b)-th column of the result: they are interleaved back. The unpacked codes of a
+layer are transient (never kept) and made ``CHUNK_CODES`` at a time: a step's float32 copy of
 a layer's codes is bounded (unchunked, 64 rows of 2,000 tokens wrote 270 MiB a layer and took
 2.9x as long as in chunks of 8 MiB).
 """
@@ -152,7 +150,7 @@ def record_scores(q: mx.array, rec: dict[str, mx.array], bits: int) -> mx.array:
     qa = (q_s * rec["k_alpha"][:, :, :, :, None]).reshape(B * nb, H, S, R, W)
     qb = mx.sum(q_s * rec["k_beta"][:, :, :, :, None], axis=-1, keepdims=True)  # [B, nb, H, S, R, 1]
     codes = rec["k_codes"].reshape(B * nb, H, S, W, -1).view(mx.uint8)  # a byte: 8/bits tokens
-    raw = _code_products(qa, codes, bits).reshape(B, nb, H, S, R, G) + qb
+    raw = _interleave(_code_products(qa, codes, bits)).reshape(B, nb, H, S, R, G) + qb
     return mx.sum(raw * rec["k_r"][:, :, :, :, None], axis=3)
 
 
@@ -167,26 +165,37 @@ def record_values(p: mx.array, rec: dict[str, mx.array], bits: int) -> mx.array:
     pb = mx.sum(p_s * mx.swapaxes(rec["v_beta"], -1, -2)[:, :, :, :, None], axis=-1, keepdims=True)
     codes = rec["v_codes"].view(mx.uint8).reshape(B * nb, H, G, S, -1)  # a byte: 8/bits channels
     codes = mx.contiguous(mx.swapaxes(codes, 2, 3)) if S > 1 else codes.reshape(B * nb, H, 1, G, -1)
-    out = _code_products(pa, codes, bits).reshape(B, nb, H, S, R, D // S) + pb
+    out = _interleave(_code_products(pa, codes, bits)).reshape(B, nb, H, S, R, D // S) + pb
     out = mx.swapaxes(out, 3, 4).reshape(B, nb, H, R, D)
     return mx.sum(out * rec["v_c"][:, :, :, None], axis=1)
 
 
-def _code_products(left: mx.array, codes: mx.array, bits: int) -> mx.array:
-    """``left`` [n, ..., M, K] @ the bytes ``codes`` [n, ..., K, N] unpacked to their 8/bits
-    fields as float32 (field j of byte i at column i*(8/bits) + j) -> [n, ..., M, N*8/bits];
-    ``CHUNK_CODES`` codes at a time along the leading (block) axis."""
+def _code_products(left: mx.array, codes: mx.array, bits: int) -> list[mx.array]:
+    """``left`` [n, ..., M, K] @ field j of the bytes ``codes`` [n, ..., K, N] as float32, for
+    each field j (low bits first) -> [n, ..., M, N] each; ``CHUNK_CODES`` codes at a time along
+    the leading (block) axis."""
     n = codes.shape[0]
     step = max(1, CHUNK_CODES * bits // 8 // (codes.size // n))
-    parts = [left[lo: lo + step] @ _unpack(codes[lo: lo + step], bits) for lo in range(0, n, step)]
-    return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    fields = 8 // bits
+    parts: list[list[mx.array]] = [[] for _ in range(fields)]
+    for lo in range(0, n, step):
+        chunk, a = codes[lo: lo + step], left[lo: lo + step]
+        for j in range(fields):
+            parts[j].append(a @ _unpack(chunk, bits, j))
+    return [mx.concatenate(p) if len(p) > 1 else p[0] for p in parts]
 
 
-def _unpack(codes: mx.array, bits: int) -> mx.array:
-    """Every field of the uint8 ``codes`` [..., N] as float32 [..., N * 8/bits], byte i's field
-    j (bits [bits*j, bits*(j + 1))) at column i*(8/bits) + j."""
+def _unpack(codes: mx.array, bits: int, field: int) -> mx.array:
+    """Field ``field`` (bits [b*field, b*(field + 1)) of every byte) of uint8 ``codes`` as float32."""
     if bits == 8:
         return codes.astype(mx.float32)
-    shifts = mx.array(list(range(0, 8, bits)), dtype=mx.uint8)
-    fields = ((codes[..., None] >> shifts) & ((1 << bits) - 1)).astype(mx.float32)
-    return fields.reshape(*codes.shape[:-1], -1)
+    shifted = codes >> (bits * field) if field else codes
+    return (shifted & ((1 << bits) - 1)).astype(mx.float32)
+
+
+def _interleave(parts: list[mx.array]) -> mx.array:
+    """[..., m] x k -> [..., m * k] with parts[j][..., i] at position i * k + j."""
+    if len(parts) == 1:
+        return parts[0]
+    x = mx.stack(parts, axis=-1)
+    return x.reshape(*x.shape[:-2], -1)
