@@ -25,7 +25,9 @@ nothing until its evidence fades or a longer match comes). The step drafts D tok
     (B + sum over rows of p + p^2 + ... + p^min(len, D)) / cost(B rows, 1 + D tokens)
 
 beat B, the one-token step; else nobody drafts. ``StepCosts`` measures cost(B, T) / cost(B, 1)
-from the steps themselves (a prior until it has seen both).
+from the steps themselves (a prior until it has seen both), and what asking the proposer costs
+against a one-token step (a draft model's forwards; a prompt lookup's is negligible): a row is
+asked only where its drafts could pay for that too (once drafts are in hand, their cost is spent).
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ class StepCosts:
 
     def __init__(self) -> None:
         self.seconds: dict[tuple[int, int], deque[float]] = {}
+        self.proposing: dict[int, deque[float]] = {}  # seconds the proposer took, per row bucket
 
     def ratio(self, rows: int, tokens: int) -> float:
         prior = 1 + VERIFY_FIXED + VERIFY_PER_TOKEN * (tokens - 1) * (rows + 2) / 3 if tokens > 1 else 1.0
@@ -177,14 +180,28 @@ class StepCosts:
     def add(self, rows: int, tokens: int, seconds: float) -> None:
         self.seconds.setdefault((_row_bucket(rows), tokens), deque(maxlen=COST_WINDOW)).append(seconds)
 
+    def add_proposing(self, rows: int, seconds: float) -> None:
+        self.proposing.setdefault(_row_bucket(rows), deque(maxlen=COST_WINDOW)).append(seconds)
+
+    def proposing_ratio(self, rows: int) -> float:
+        """Asking the proposer for a step of ``rows`` rows, in one-token steps (0 until both are
+        measured)."""
+        b = _row_bucket(rows)
+        asked, base = self.proposing.get(b), self.seconds.get((b, 1))
+        if not asked or not base:
+            return 0.0
+        return statistics.median(asked) / statistics.median(base)
+
 
 def _row_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()  # 1, 2, 4, 8, ...
 
 
-def choose_length(rates: list[float], lengths: list[int], rows: int, costs: StepCosts, sizes: tuple[int, ...]) -> int:
+def choose_length(rates: list[float], lengths: list[int], rows: int, costs: StepCosts, sizes: tuple[int, ...],
+                  extra: float = 0.0) -> int:
     """The draft length D (0: none) that maximizes expected tokens per cost for a step of ``rows``
-    decoding rows, of which some hold drafts of ``lengths`` tokens with per-token ``rates``."""
+    decoding rows, of which some hold drafts of ``lengths`` tokens with per-token ``rates``;
+    ``extra``: what drafting adds to a step besides the verify (in one-token steps)."""
     best, best_value = 0, float(rows)
     for size in sizes:
         if size > max(lengths):
@@ -192,7 +209,7 @@ def choose_length(rates: list[float], lengths: list[int], rows: int, costs: Step
         gain = 0.0
         for p, n in zip(rates, lengths):
             gain += sum(p ** j for j in range(1, min(n, size) + 1))
-        value = (rows + gain) / costs.ratio(rows, 1 + size)
+        value = (rows + gain) / (costs.ratio(rows, 1 + size) + extra)
         if value > best_value:
             best, best_value = size, value
     return best
@@ -239,7 +256,11 @@ class Speculator:
             self.counters.wide_steps += 1
             return plan
         asks = self._asks(plan, requests, room)
-        drafts = self.proposer.propose(asks) if asks else {}
+        drafts = {}
+        if asks:
+            start = self.clock()
+            drafts = self.proposer.propose(asks)
+            self.costs.add_proposing(len(plan.decodes), self.clock() - start)
         if drafts and self.config.adaptive:
             drafts = self._worth_it(drafts, len(plan.decodes))
         if not plan.prefills:
@@ -257,6 +278,7 @@ class Speculator:
         """The rows that may draft this step, each with the most tokens it may verify; with
         ``adaptive``, only rows whose best estimate could pay for a one-token draft."""
         budget, rows, sizes = self.max_step_tokens - plan.num_tokens, len(plan.decodes), self._sizes()
+        proposing = self.costs.proposing_ratio(rows)
         asks = []
         for request_id in plan.decodes:
             request = requests[request_id]
@@ -264,7 +286,7 @@ class Speculator:
                 continue
             if self.config.adaptive:  # hopeless even if every row drafted as well as this one could
                 rate = self.acceptance.best_rate(self.acceptance.row(request_id, self.steps))
-                if choose_length([rate] * rows, [sizes[-1]] * rows, rows, self.costs, sizes) == 0:
+                if choose_length([rate] * rows, [sizes[-1]] * rows, rows, self.costs, sizes, proposing) == 0:
                     continue
             done = request.num_prompt_tokens + len(request.output_ids)
             k = min(self.config.num_tokens, room(request_id) - 1, budget,

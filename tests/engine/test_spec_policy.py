@@ -55,6 +55,22 @@ def test_choose_length_drafts_only_what_pays():
     assert choose_length([0.9] * 8, [4] * 8, 8, costs, sizes) > 0
 
 
+def test_a_costly_proposer_is_asked_only_where_its_drafts_pay_for_it():
+    """What asking the proposer costs counts against drafting (a draft model's forwards): drafts
+    that pay for their verify alone do not pay for a proposer that costs a step and a half."""
+    costs = StepCosts()
+    assert costs.proposing_ratio(1) == 0.0  # nothing measured yet: no cost assumed
+    for _ in range(COST_TRUST):
+        costs.add(1, 1, 0.010)
+        costs.add_proposing(1, 0.015)
+    assert costs.proposing_ratio(1) == pytest.approx(1.5)
+    assert costs.proposing_ratio(2) == 0.0  # another row bucket: not measured
+    sizes = (1, 2, 4)
+    assert choose_length([0.6], [4], 1, costs, sizes) > 0
+    assert choose_length([0.6], [4], 1, costs, sizes, extra=costs.proposing_ratio(1)) == 0
+    assert choose_length([0.99], [4], 1, costs, sizes, extra=costs.proposing_ratio(1)) == 4
+
+
 def test_acceptance_evidence_per_match_length_and_row_fading():
     acceptance = Acceptance()
     row = acceptance.row(RequestId("a"), step=1)
