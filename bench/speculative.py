@@ -79,7 +79,7 @@ LD_PRELOAD = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 def record(path: Path) -> None:
     """Greedy continuations of every prompt (the longest max_tokens it is asked for), as the
     oracle's book: prompt token ids (the server's chat rendering) -> output token ids."""
-    from engine.chat_prompt import chat_prompt_ids
+    from engine.chat_format import chat_prompt_ids
     from engine.engine import make_engine
     from engine.kv_config import ApcConfig
     from engine.loader import load_model

@@ -6,7 +6,7 @@ This is the public API the server may use. Importing it imports MLX.
 from apc.events import KVEventsConfig
 from engine.constraints import Constraint, ConstraintError, GrammarSpec, tagged_json_lark
 from engine.bench import BenchConfig, BenchReport, run_bench
-from engine.chat_output import ChatFormat, OutputParser, ParsedCall, ParsedDelta
+from engine.chat_format import ChatFormat, OutputParser, ParsedCall, ParsedDelta
 from engine.tool_grammar import MAX_FORCED_CALLS, tool_call_grammar
 from engine.engine import Engine, make_engine
 from engine.kv_config import ApcConfig, KVConfig

@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.chat_output import ChatFormat, OutputParser, chat_format_of
-from engine.chat_prompt import chat_prompt_ids
+from engine.chat_format import ChatFormat, OutputParser, chat_format_of, chat_prompt_ids
 from engine.constraints import Constraint, ConstraintCompiler, GrammarSpec
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -41,7 +40,7 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     apc: ApcConfig = field(default_factory=ApcConfig)
     max_queue: int = 1024  # requests waiting for admission beyond this are refused (429)
-    # special-token text typed in chat message content is parsed as control tokens (engine/chat_prompt.py)
+    # special-token text typed in chat message content is parsed as control tokens (engine/chat_format.py)
     parse_special: bool = False
     # run engine/warm_up.py's workload before serving (None: where MLX's default device is a GPU)
     warm_up: bool | None = None
@@ -137,7 +136,7 @@ class EngineClient:
         """The model's chat template over ``messages`` (and ``tools``, OpenAI's function tools as
         dicts, which the template lists for the model; ``template_kwargs``, the template's extra
         variables such as ``enable_thinking``), tokenized; special-token text inside a message's
-        content stays text unless ``EngineConfig.parse_special`` (engine/chat_prompt.py)."""
+        content stays text unless ``EngineConfig.parse_special`` (engine/chat_format.py)."""
         return chat_prompt_ids(self._require_tokenizer(), messages, add_generation_prompt=add_generation_prompt,
                                tools=tools, parse_special=self.config.parse_special, template_kwargs=template_kwargs)
 

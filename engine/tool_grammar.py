@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.chat_output import ChatFormat
+from engine.chat_format import ChatFormat
 from engine.constraints import ConstraintError, GrammarSpec, closed_schema, tagged_json_lark
 
 FORCED_FORMATS = ("json_tools",)

@@ -1,5 +1,5 @@
 """The bundled model's tools template, and the split of chat text into content, reasoning and tool
-calls with mlx-lm's markers and parsers (``engine/chat_output.py``)."""
+calls with mlx-lm's markers and parsers (``engine/chat_format.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine.chat_output import ChatFormat, OutputParser, ParsedCall, chat_format_of
+from engine.chat_format import ChatFormat, OutputParser, ParsedCall, chat_format_of
 from engine.loader import BUNDLED_MODEL_DIR
 from tests.think_model import THINK_END_ID, THINK_START_ID, make_think_model
 

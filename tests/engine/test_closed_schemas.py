@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from engine.chat_output import ChatFormat
+from engine.chat_format import ChatFormat
 from engine.constraints import ConstraintCompiler, GrammarSpec, closed_schema
 from engine.tool_grammar import tool_call_grammar
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from engine.chat_output import ChatFormat, chat_format_of
+from engine.chat_format import ChatFormat, chat_format_of
 from engine.constraints import ConstraintCompiler, ConstraintError
 from engine.loader import BUNDLED_MODEL_DIR
 from engine.tool_grammar import tool_call_grammar
