@@ -19,8 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from metal.cuda.commit import INPUTS as COMMIT_INPUTS  # noqa: E402
-from metal.cuda.commit_source import HEADER as COMMIT_HEADER, SOURCE as COMMIT_SOURCE  # noqa: E402
+from metal.cuda.commit import HEADER as COMMIT_HEADER, INPUTS as COMMIT_INPUTS, SOURCE as COMMIT_SOURCE  # noqa: E402
 from metal.cuda.paged_decode import ATTENTION_INPUTS, ATTENTION_OUTPUTS  # noqa: E402
 from metal.cuda.paged_decode_mma import MMA_HEADER, MMA_SOURCE  # noqa: E402
 from metal.cuda.paged_decode_source import ATTENTION_SOURCE, HEADER  # noqa: E402

@@ -1,6 +1,6 @@
 """The Metal source of the fused tile commit (``metal.msl.commit``): a shared header and the
 kernel body, as ``mx.fast.metal_kernel`` takes them. A port of the CUDA kernel
-(``metal/cuda/commit_source.py``): the same thread layout, the same operations in the same order (every
+(``metal/cuda/commit.py``): the same thread layout, the same operations in the same order (every
 sum added as MLX's CUDA reduce adds it: runs of 4 from 0, then a butterfly over lanes; strided sums
 in order, then a butterfly over 32 partials), so the same bytes wherever the elementwise operations
 round the same way. The algorithm and the reduction orders are described in ``metal/cuda/commit.py``
