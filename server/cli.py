@@ -341,8 +341,7 @@ def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
 def _serve(args: argparse.Namespace, adjust: Callable[[Any], Any] | None = None) -> int:
     import uvicorn
 
-    from server.app import create_app
-    from server.drain import DrainingServer
+    from server.app import DrainingServer, create_app
 
     if args.drain_timeout < 0:
         raise SystemExit("kvarn serve: --drain-timeout must be >= 0")

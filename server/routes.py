@@ -36,7 +36,7 @@ async def health(request: Request) -> JSONResponse:
         return error_response(503, f"The model failed to load: {client.load_error}", code="model_load_failed")
     if client.info is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
-    if client.draining:  # shutting down: routers stop sending here (server/drain.py)
+    if client.draining:  # shutting down: routers stop sending here (server/app.py: DrainingServer)
         return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "1"})
     info = client.info
     return JSONResponse({"status": "ok", "model": info.model_id, "kv_cache": info.kv_cache,

@@ -1,4 +1,4 @@
-"""The body limit (server/middleware.py: BodyLimitMiddleware) driven as ASGI directly, without a
+"""The body limit (server/app.py: BodyLimitMiddleware) driven as ASGI directly, without a
 server: a declared length over the limit is refused before any byte is read, a body that grows
 past it is refused at that chunk, a body within it reaches the route whole; refusals are 413s in
 OpenAI's shape, Anthropic's on the Messages API's paths. (The security checks run against a live
@@ -10,7 +10,7 @@ import asyncio
 import json
 from typing import Any
 
-from server.middleware import BodyLimitMiddleware
+from server.app import BodyLimitMiddleware
 
 LIMIT = 1000
 
