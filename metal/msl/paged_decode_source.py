@@ -1,7 +1,7 @@
 """The Metal source of the fused paged decode attention (``metal.msl.paged_decode``): a shared
 header, the split-K attention body and the combine body, as ``mx.fast.metal_kernel`` takes them
 (bodies only: MLX writes the signature from the input and output names, the template arguments and
-the thread attributes the body names). A port of the CUDA scalar body (``metal/cuda/paged_decode_source.py``);
+the thread attributes the body names). A port of the CUDA scalar body (``metal/cuda/paged_decode.py``);
 the algorithm is described in ``metal/cuda/paged_decode.py`` and docs/kernels.md.
 
 What differs from the CUDA body, and why:
