@@ -1,5 +1,5 @@
 """One layer of KVarN prompt-chunk attention on the GPU: the masked single call of
-``kvarn.chunk_attention.chunk_attention_over`` against the tile-by-tile version it replaced.
+``kvarn.attention.chunk_attention_over`` against the tile-by-tile version it replaced.
 
     PYTHONPATH=. python3 bench/chunk_attention.py --out $OUT/chunk-attention.json
 
@@ -29,7 +29,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvarn.chunk_attention import Chunk, chunk_attention_over  # noqa: E402
+from kvarn.attention import Chunk, chunk_attention_over  # noqa: E402
 from kvarn.quantize import rotate  # noqa: E402
 
 G = 128

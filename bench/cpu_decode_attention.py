@@ -1,4 +1,4 @@
-"""One layer's decode attention on the CPU at depth: KVarN k4v2 (``kvarn.paged_attention.decode_attention_over``
+"""One layer's decode attention on the CPU at depth: KVarN k4v2 (``kvarn.attention.decode_attention_over``
 over the pool's records and windows, as the compiled decode step calls it) against fp16 slots (MLX's masked
 SDPA over float32 slots, as ``kvarn.decode_graph.SlotStepLayer`` hands them to mlx-lm).
 
@@ -33,7 +33,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.memory import keep_cpu_buffers  # noqa: E402
-from kvarn import paged_attention  # noqa: E402
+from kvarn import attention  # noqa: E402
 from kvarn.layout import KVLayout  # noqa: E402
 from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks  # noqa: E402
 
@@ -72,21 +72,21 @@ def kvarn_attention(queries, win_k, win_v, table, mask, *fields):  # noqa: ANN00
     """``decode_attention_over`` as the compiled step calls it (windows 1 .. B read as a slice)."""
     a = LayerArrays(records=dict(zip(RECORD_FIELDS, fields)), win_k=win_k, win_v=win_v)
     B = queries.shape[0]
-    return paged_attention.decode_attention_over(queries, a, LAYOUT, SCALE, windows=(1, B + 1), win_len=2 * G,
-                                                 table=table, mask=mask)
+    return attention.decode_attention_over(queries, a, LAYOUT, SCALE, windows=(1, B + 1), win_len=2 * G,
+                                           table=table, mask=mask)
 
 
 def kvarn_qmm_attention(*arrays):  # noqa: ANN002
     """``kvarn_attention`` through ``mx.quantized_matmul`` (traced with the unpacked path off)."""
-    with mock.patch.object(paged_attention, "_reads_unpacked", lambda layout: False):
+    with mock.patch.object(attention, "_reads_unpacked", lambda layout: False):
         return kvarn_attention(*arrays)
 
 
 def reference_attention(queries, win_k, win_v, table, mask, *fields):  # noqa: ANN001
     """The dequantized reference path on the same inputs."""
     a = LayerArrays(records=dict(zip(RECORD_FIELDS, fields)), win_k=win_k, win_v=win_v)
-    index = paged_attention.Attended((1, queries.shape[0] + 1), 2 * G, table, mask)
-    return paged_attention._dequantized_attention(queries, a, index, LAYOUT, SCALE)
+    index = attention.Attended((1, queries.shape[0] + 1), 2 * G, table, mask)
+    return attention._dequantized_attention(queries, a, index, LAYOUT, SCALE)
 
 
 def fp16_case(B: int, T: int, seed: int = 0) -> list[mx.array]:

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from kvarn.attention import decode_attention_over, fused_attention
 from kvarn.layout import KVLayout
-from kvarn.paged_attention import decode_attention_over, fused_attention
 from kvarn.pool import PAD, RECORD_FIELDS, STORE_DTYPE, LayerArrays, quantize_window_tails
 from kvarn.quantize import rotate
 from kvarn.step import step_of

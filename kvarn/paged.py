@@ -30,11 +30,10 @@ import numpy as np
 
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from kvarn.attention import Chunk, attention_dtype, chunk_attention_over
 from kvarn.batch import BatchRows
-from kvarn.chunk_attention import Chunk, chunk_attention_over
 from kvarn.decode_graph import PagedStepLayer, decode_step, decode_write, rounded
 from kvarn.layout import KVLayout
-from kvarn.paged_attention import attention_dtype
 from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks, \
     record_shapes
 from kvarn.step import step_of
@@ -366,8 +365,8 @@ class PagedLayer(_BaseCache):
     # --- attention (the seam's entry for one row: ``kvarn.attention``) ---
     def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
                sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
-        """One row's prompt chunk (the first one too: ``kvarn.chunk_attention``) or lone decode
-        token (the decode batch's path with one row)."""
+        """One row's prompt chunk (the first one too: ``kvarn.attention.chunk_attention_over``) or
+        lone decode token (the decode batch's path with one row)."""
         if sinks is not None:
             raise ValueError("KVarN attention does not support attention sinks")
         chunk = self.chunk

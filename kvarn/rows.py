@@ -27,10 +27,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+from kvarn.attention import fused_attention
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_other
 from kvarn.batch import BatchRows
 from kvarn.decode_graph import DecodePlan, paged_plan
-from kvarn.paged_attention import fused_attention
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedBatch, PagedLayer, PagedRow
 from kvarn.pool import KVarNPool

@@ -1,5 +1,5 @@
 """Attention windows of KVarN rows (``--max-kv-size N``): which records a token attends (a prompt
-chunk's attention applies the rule per token in its mask: ``kvarn.chunk_attention.chunk_attention_over``).
+chunk's attention applies the rule per token in its mask: ``kvarn.attention.chunk_attention_over``).
 
 A windowed row keeps its sink (the first G tokens, float16), the newest whole records and its
 float16 tail, such that everything a token attends fits in N tokens; records older than that

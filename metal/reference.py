@@ -41,7 +41,7 @@ def reference_paged_decode_attention(*, queries: mx.array, records: dict[str, mx
     """The pure-MLX twin of ``metal.cuda.paged_decode.paged_decode_attention`` (``plan`` and
     ``variant`` are ignored): the windows and the gathered, dequantized records as one operand, one
     SDPA under the rows' validity mask, in float16 (float32 where the queries are float32), the
-    gather+dequantize+SDPA path of ``kvarn.paged_attention``."""
+    gather+dequantize+SDPA path of ``kvarn.attention.decode_attention_over``."""
     G = win_k.shape[2] // 2
     dtype = mx.float32 if queries.dtype == mx.float32 else mx.float16
     slots = mx.array(lengths.slots, dtype=mx.int32)

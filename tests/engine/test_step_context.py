@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import engine.forward as forward
-import kvarn.chunk_attention as chunk_attention
+import kvarn.attention as attention
 import kvarn.decode_graph as decode_graph
 import kvarn.rows as kvarn_rows
 import kvarn.slot_step as slot_step
@@ -72,7 +72,7 @@ def test_a_prompt_chunk_builds_its_mask_once_for_all_layers(loaded, monkeypatch)
     """A KVarN prompt chunk's attention mask is made once a forward and shared by the layers (two
     rows' chunks at different positions in one forward get one each)."""
     engine = make_engine(loaded, CONFIG, KVConfig("kvarn", 4, 2), ApcConfig(enabled=False))
-    masks = Counter(monkeypatch, chunk_attention, "chunk_view_mask")
+    masks = Counter(monkeypatch, attention, "chunk_view_mask")
     engine.add_request(Request(RequestId("a"), list(range(16, 216)), SamplingParams(max_tokens=1)))
     engine.add_request(Request(RequestId("b"), list(range(300, 480)), SamplingParams(max_tokens=1)))
     engine.step()

@@ -1,4 +1,4 @@
-"""KVarN attention over pool rows (kvarn/paged_attention.py, kvarn/chunk_attention.py) against the
+"""KVarN attention over pool rows (kvarn/attention.py) against the
 float64 NumPy reference (tests/kvarn/reference.py, docs/kvarn.md).
 
 The records are read straight out of the pool (``KVarNPool.gather_records``) with an independent
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
 
-from kvarn import paged_attention as PA
+from kvarn import attention as PA
 from kvarn import quantize as Q
 from kvarn.attention import make_dispatch
 from kvarn.layout import KVLayout

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvarn import cpu_attention as CA
-from kvarn import paged_attention as PA
+from kvarn import attention as PA
 from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks
 from tests.kvarn import reference as R
@@ -66,7 +66,7 @@ def test_attention_matches_float64_and_mlx(n_q, H, L, T, D):
                                                   (320, 77, 256)])
 def test_window_attention_is_the_masked_attention_over_the_joined_keys(start, L, window_start):
     """The window taken tile by tile gives what one masked attention over [keys | window] gives."""
-    from kvarn.chunk_attention import chunk_view_mask
+    from kvarn.attention import chunk_view_mask
 
     G, H, n_q, D = 64, 2, 4, 128
     end = start + L

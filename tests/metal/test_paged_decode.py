@@ -294,7 +294,7 @@ def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeyp
     decode step, layer by layer): the step takes the kernel with its fixed-size launch plan, and its
     output matches the float64 reference over what the rows hold (``tests/kvarn/row_contents.py``)."""
     import kvarn.decode_graph as decode_graph
-    import kvarn.paged_attention as paged_attention
+    import kvarn.attention as kvarn_attention
     from kvarn.layout import KVLayout
     from kvarn.paged import PagedBatch, PagedRow
     from kvarn.pool import KVarNPool
@@ -304,7 +304,7 @@ def test_decode_attention_dispatches_to_the_kernel_through_a_paged_batch(monkeyp
     kernels = Kernels(replace(cuda_backend(), paged_decode=counting))
     assert kernels.attention_path() == "cuda-fused" and len(calls) == 1  # its self-check
     monkeypatch.setattr(decode_graph, "KERNELS", kernels)
-    monkeypatch.setattr(paged_attention, "KERNELS", kernels)
+    monkeypatch.setattr(kvarn_attention, "KERNELS", kernels)
     rng = np.random.default_rng(5)
     G, H, D = 64, 2, 128
     layout = KVLayout.kvarn("k4v2", tile_size=G)
