@@ -18,11 +18,10 @@ from engine.memory import keep_cpu_buffers, release_memory
 from engine.model_runner import Dispatched, ModelRunner
 from engine.accepted_output import advance_tokens
 from engine.speculator import SpecConfig, Speculator, make_proposer
-from engine.admission import (LayerSpec, PoolBudget, Pricing, Reservation, StaticBudget, default_budget_bytes,
-                              machine_memory_bytes)
 from engine.output import OutputState, add_prompt_scores, new_text_stream
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import (LayerSpec, PoolBudget, Pricing, Reservation, Scheduler, SchedulerConfig, StaticBudget,
+                              default_budget_bytes, machine_memory_bytes)
 from engine.step_types import StepPlan, StepResult
 from kvarn.attention import install_attention_seam
 from kvarn.layout import KVLayout

@@ -1,8 +1,8 @@
-"""engine/admission.py: the one admission price, exact numbers (no MLX). KVarN rows in the block pool
+"""engine/scheduler.py: the one admission price, exact numbers (no MLX). KVarN rows in the block pool
 count a shared block once: a prefix hit's blocks and ``n > 1`` choices' shared prompt are not
 priced again, and what running rows hold is counted from the pool."""
 
-from engine.admission import LayerSpec, PoolBudget, Pricing, Reservation, StaticBudget
+from engine.scheduler import LayerSpec, PoolBudget, Pricing, Reservation, StaticBudget
 from engine.request import Request, RequestId, RequestStatus, SamplingParams
 from kvarn.layout import KVLayout
 

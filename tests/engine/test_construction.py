@@ -6,11 +6,11 @@ from __future__ import annotations
 import mlx.core as mx
 
 from apc.prefix_cache import PENDING
-from engine.admission import PoolBudget, Reservation, StaticBudget
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import FinishReason, Request, RequestId, SamplingParams
-from engine.scheduler import PENDING as SCHEDULER_PENDING, Scheduler, SchedulerConfig
+from engine.scheduler import (PENDING as SCHEDULER_PENDING, PoolBudget, Reservation, Scheduler, SchedulerConfig,
+                              StaticBudget)
 
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=128,
                          kv_budget_bytes=64 * 2**20)

@@ -2,9 +2,8 @@
 
 import pytest
 
-from engine.admission import Reservation, StaticBudget
 from engine.request import FinishReason, Request, RequestId, RequestStatus, SamplingParams
-from engine.scheduler import PENDING, Scheduler, SchedulerConfig
+from engine.scheduler import PENDING, Reservation, Scheduler, SchedulerConfig, StaticBudget
 from engine.step_types import PrefillChunk, SampledToken, StepResult
 
 

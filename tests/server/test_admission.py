@@ -7,7 +7,7 @@
 - ``n > 1``: n choices, the prompt counted once, greedy choices equal to the n=1 answer, seeded
   choice i equal to an n=1 request seeded seed+i, streamed choices equal to non-streamed ones.
 
-The budgets are computed from the bundled model's shape with ``engine.admission`` (pure Python),
+The budgets are computed from the bundled model's shape with ``engine.scheduler``'s pricing (pure Python),
 and one test checks that the server's own reservation is exactly that price.
 """
 
@@ -28,7 +28,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.loader import resolve_dtype
-from engine.admission import LayerSpec, Pricing
+from engine.scheduler import LayerSpec, Pricing
 from kvarn.layout import KVLayout
 from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, client_of, metric, post_json, \
     HealthPoller, served, stream_json, wait_idle
