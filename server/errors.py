@@ -97,7 +97,7 @@ def _describe_validation(exc: RequestValidationError, deepest: bool = False) -> 
         return f"Missing required parameter: '{param}'.", param
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
-    if kind == "invalid_unicode":  # the body's own check (server/text_check.py) names the field itself
+    if kind == "invalid_unicode":  # the body's own check (server/protocol.py: checked_body) names the field itself
         return str(first.get("msg", "invalid text")), (first.get("ctx") or {}).get("param")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"Invalid value for '{param}': {message}" if param else message), param
