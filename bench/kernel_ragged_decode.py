@@ -141,7 +141,7 @@ CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 def compile_report(QT: str, KT: str, Dh: int, NR: int, final: int) -> str:
-    from metal.cuda.ragged_decode_source import ATTENTION_SOURCE, HEADER
+    from metal.cuda.ragged_decode import ATTENTION_SOURCE, HEADER
     from metal.launch import minify
     types = {"queries": CTYPES[QT], "keys": CTYPES[KT], "values": CTYPES[KT], "rows": "int32_t", "work": "int32_t",
              "meta": "int32_t", "meta_f": "float"}

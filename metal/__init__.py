@@ -1,6 +1,6 @@
 """Hand-written kernels through MLX's custom-kernel API, by backend, each with a pure-MLX reference.
 
-    metal/cuda/     the CUDA kernels (mx.fast.cuda_kernel), each with its CUDA text in *_source.py:
+    metal/cuda/     the CUDA kernels (mx.fast.cuda_kernel), each wrapper and its CUDA text in one module:
                     paged_decode (+ paged_decode_mma, its tensor-core body), commit, ragged_decode
     metal/msl/      their Metal Shading Language twins (mx.fast.metal_kernel): paged_decode, commit
     paged_plan.py   the paged decode's split plan (RowLengths, DecodePlan), shared by both backends
