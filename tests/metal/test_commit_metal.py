@@ -19,7 +19,7 @@ from metal import KERNELS
 from metal.cuda.commit import shared_bytes as cuda_shared_bytes
 from metal.launch import minify
 from metal.msl import commit as CM
-from metal.msl.commit_source import HEADER, SOURCE
+from metal.msl.commit import HEADER, SOURCE
 from metal.selector import COMMIT_SELF_CHECK_CODES, COMMIT_SELF_CHECK_FACTORS, CommitKernel, Kernels, \
     commit_self_check
 from tests.metal import metal_emulator

@@ -14,7 +14,7 @@ import pytest
 from metal import KERNELS
 from metal.launch import minify
 from metal.msl import paged_decode as pm
-from metal.msl.paged_decode_source import ATTENTION_SOURCE
+from metal.msl.paged_decode import ATTENTION_SOURCE
 from metal.paged_plan import make_plan
 from metal.reference import reference_paged_decode_attention
 from metal.selector import SELF_CHECK_TOLERANCE, Kernels, metal_backend, paged_decode_self_check
