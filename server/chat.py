@@ -29,8 +29,7 @@ from server.prepare import chat_prompt_ids, check_model, check_unsupported, samp
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Job, finish_name
 from server.streaming import observe, outputs
-from server.structured import structured_params
-from server.tools import force_calls, plan_tools
+from server.tools import force_calls, plan_tools, structured_params
 
 T = TypeVar("T")
 

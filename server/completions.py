@@ -19,7 +19,7 @@ from engine import EngineClient, ModelInfo
 from server.prepare import sampling_params
 from server.protocol import CompletionRequest
 from server.responses import Job
-from server.structured import structured_params
+from server.tools import structured_params
 
 
 def prompt_texts(body: CompletionRequest) -> list[str | None]:

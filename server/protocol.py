@@ -231,14 +231,14 @@ class ChatMessage(_Strict):
 
 
 def _schema_required(schema: dict[str, Any]) -> None:
-    """The JSON schema says what server/structured.py does: ``schema`` is required (a JSON object)."""
+    """The JSON schema says what server/tools.py does: ``schema`` is required (a JSON object)."""
     schema["required"] = sorted({*schema.get("required", ()), "schema"})
     schema["properties"]["schema"] = {"type": "object", "additionalProperties": True, "title": "Schema"}
 
 
 class JsonSchema(_Strict):
     """OpenAI's ``response_format.json_schema``. The schema is enforced whatever ``strict`` says
-    (server/structured.py); ``description`` is accepted and not shown to the model."""
+    (server/tools.py); ``description`` is accepted and not shown to the model."""
 
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_schema_required)
 
@@ -334,7 +334,7 @@ class _Sampling(_Strict):
     # vLLM's extra field: the prefix cache serves this request only blocks cached under the same
     # salt (tenants that must not share cached prefixes each send their own); "" is no salt
     cache_salt: Annotated[str, Field(max_length=MAX_CACHE_SALT_CHARS)] | None = None
-    # vLLM's structured-output extras (server/structured.py); at most one constraint per request
+    # vLLM's structured-output extras (server/tools.py); at most one constraint per request
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
