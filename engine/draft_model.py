@@ -31,8 +31,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, can_trim_prompt_cache, make_prompt_cache
 
 from engine.acceptance import target_logprobs
-from engine.forward import Forward
 from engine.loader import LoadedModel, load_model
+from engine.model_runner import Forward
 from engine.proposers import Ask, Draft
 from engine.request import Request, RequestId
 from engine.sampler import SamplerState, make_sampler_state

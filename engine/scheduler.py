@@ -115,7 +115,7 @@ class SchedulerConfig:
     device) before it reads them back, so the host's work overlaps the device's (``Engine.step``);
     ``batch_prefill``: a step's prompt chunks of similar lengths run in one forward
     (``ModelRunner``; False runs each in its own); ``compile_decode``: the decode forward runs
-    under ``mx.compile``, one graph per shape bucket (``engine/forward.py: DecodeGraphs``; False:
+    under ``mx.compile``, one graph per shape bucket (``engine/model_runner.py: DecodeGraphs``; False:
     ``--enforce-eager``, the same step built in Python every time)."""
 
     max_num_seqs: int = 64

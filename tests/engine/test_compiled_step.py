@@ -1,4 +1,4 @@
-"""The compiled decode step (``engine/forward.py``, ``kvarn/decode_graph.py``): a decode
+"""The compiled decode step (``engine/model_runner.py``, ``kvarn/decode_graph.py``): a decode
 step planned as arrays and replayed from a graph traced once per shape bucket must give exactly
 what the step built in Python gives, for fp16 slots and KVarN rows, through ragged rows, rows
 committing tiles, windows, prefix-cache hits, ``n > 1`` forks, seeded sampling and grammar rows;
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import engine.forward as forward
+import engine.model_runner as model_runner
 from engine.constraints import ConstraintCompiler, GrammarSpec
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
@@ -34,9 +34,9 @@ def _engine(loaded, arm: str, mode: str, monkeypatch, apc: bool = True, commit_a
     (no plan: the forward through the batch caches, as where a fused kernel attends). Steps that
     commit tiles are compiled after ``commit_after`` uses (0: at once, so the tests cover them)."""
     if mode == "host":
-        monkeypatch.setattr(forward, "plan_decode", lambda caches, **kw: None)
+        monkeypatch.setattr(model_runner, "plan_decode", lambda caches, **kw: None)
     else:
-        monkeypatch.setattr(forward, "plan_decode", plan_decode)
+        monkeypatch.setattr(model_runner, "plan_decode", plan_decode)
     cfg = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8 + 256, prefill_chunk_size=256,
                           compile_decode=mode == "compiled")
     engine = make_engine(loaded, cfg, ARMS[arm], ApcConfig(enabled=apc))
@@ -165,7 +165,7 @@ def test_commit_structures_compile_once_they_recur(loaded, monkeypatch):
 def test_commit_structures_compile_at_once_where_a_fused_kernel_commits(loaded, monkeypatch):
     """Where the commit's verdict is a fused kernel (one launch a layer: nothing slow to trace),
     a commit step compiles at its first use whatever ``commit_after`` says."""
-    monkeypatch.setattr(forward.KERNELS, "decided_commit_path", lambda: "cuda-fused")
+    monkeypatch.setattr(model_runner.KERNELS, "decided_commit_path", lambda: "cuda-fused")
     engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch, apc=False, commit_after=1000)
     request = Request(RequestId("c"), list(range(20, 140)), SamplingParams(max_tokens=300, temperature=0.0,
                                                                         ignore_eos=True))

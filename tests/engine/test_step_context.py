@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.forward as forward
+import engine.model_runner as model_runner
 import kvarn.attention as attention
 import kvarn.decode_graph as decode_graph
 import kvarn.rows as kvarn_rows
@@ -48,7 +48,7 @@ def test_a_decode_forward_makes_its_shared_arrays_once(loaded, monkeypatch, arm,
     or its first layer plans it inside a forward run through the batch caches."""
     kv = KVConfig("kvarn", 4, 2) if arm == "kvarn-k4v2" else KVConfig("fp16")
     if not planned:
-        monkeypatch.setattr(forward, "plan_decode", lambda caches, **kw: None)
+        monkeypatch.setattr(model_runner, "plan_decode", lambda caches, **kw: None)
     engine = make_engine(loaded, CONFIG, kv, ApcConfig(enabled=False))
     prompts = [[(7 * i + j) % 4000 + 16 for j in range(n)] for i, n in enumerate((40, 90, 150))]
     for i, prompt in enumerate(prompts):
