@@ -27,8 +27,7 @@ from server.chat_choices import choice_format
 from server.errors import APIError
 from server.prepare import chat_prompt_ids, check_model, check_unsupported, sampling_params, system_prompt_end
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.responses import Job, finish_name
-from server.streaming import observe, outputs
+from server.streaming import Job, finish_name, observe, outputs
 from server.tools import force_calls, plan_tools, structured_params
 
 T = TypeVar("T")

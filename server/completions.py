@@ -18,7 +18,7 @@ from dataclasses import replace
 from engine import EngineClient, ModelInfo
 from server.prepare import sampling_params
 from server.protocol import CompletionRequest
-from server.responses import Job
+from server.streaming import Job
 from server.tools import structured_params
 
 

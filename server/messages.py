@@ -24,8 +24,7 @@ from server.anthropic_stream import MessageBuilder
 from server.chat import chat_steps, check_bound, off_loop, prepare_chat, ready
 from server.errors import APIError
 from server.prepare import chat_prompt_ids, check_model
-from server.responses import Job
-from server.streaming import admit, until_disconnect
+from server.streaming import Job, admit, until_disconnect
 from server.tools import plan_tools
 
 logger = logging.getLogger(__name__)

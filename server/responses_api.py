@@ -28,11 +28,10 @@ from engine import RequestRejected
 from server.chat import chat_steps, off_loop, prepare_chat, ready
 from server.errors import APIError
 from server.response_store import ResponseStore, is_response_id
-from server.responses import Job
 from server.responses_input import ITEMS, chat_messages, chat_request, namespaces, new_id, normalize, responses_error
 from server.responses_protocol import ResponsesRequest, refuse_unsupported
 from server.responses_stream import Event, ResponseRun, response_skeleton
-from server.streaming import admit, until_disconnect
+from server.streaming import Job, admit, until_disconnect
 
 router = APIRouter()
 Item = dict[str, Any]

@@ -30,7 +30,7 @@ from server.completions import completion_jobs
 from server.errors import APIError
 from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompts, template_kwargs
 from server.protocol import ChatCompletionRequest, CompletionRequest, invalid_text_path
-from server.responses import Job
+from server.streaming import Job
 from server.tools import plan_tools, template_messages
 
 router = APIRouter()
