@@ -32,7 +32,7 @@ Contract:
   fails here, not mid-stream. Compiled constraints are cached by spec (agents resend the same
   schema every turn).
 - A ``Constraint`` is immutable once made: its matcher stays in the initial state; each row
-  (each of ``n`` choices) runs its own ``new_matcher()`` copy (``engine/grammar_rows.py``).
+  (each of ``n`` choices) runs its own ``new_matcher()`` copy (``engine/sampler.py: RowGrammars``).
 - JSON is generated compactly with ``", "`` and ``": "`` separators and no other whitespace
   (``JSON_OPTIONS``): a small model cannot then loop on whitespace, and the text is what
   ``json.dumps`` writes.

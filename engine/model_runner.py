@@ -61,10 +61,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.grammar_rows import DEAD_END, RowGrammars
 from engine.loader import LoadedModel
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
-from engine.sampler import PromptArrays, SampleArrays, SamplerState, make_sampler_state, sample, score_prompt
+from engine.sampler import (DEAD_END, PromptArrays, RowGrammars, SampleArrays, SamplerState, make_sampler_state,
+                            sample, score_prompt)
 from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
 from engine.verify import Verifying, collect_verify, dispatch_verify, verify_choices
 from kvarn.batch import BatchRows, ChunkRows
@@ -201,7 +201,7 @@ class ModelRunner:
     def run(self, plan: StepPlan, requests: Mapping[RequestId, Request]) -> StepResult:
         """Prefill the plan's chunks, decode its rows, sample every row that ends the step with
         logits (``dispatch`` then ``collect``). Constrained rows' masks are computed on the mask
-        worker meanwhile (``engine/grammar_rows.py``): the step's forward is dispatched before the
+        worker meanwhile (``engine/sampler.py: RowGrammars``): the step's forward is dispatched before the
         engine thread waits for them, and unconstrained rows sample exactly as they would without
         them. The decode forward is dispatched (``async_eval``) before the sampling graphs are
         built whether or not a row is constrained, so both kinds of step run the same way."""

@@ -17,9 +17,9 @@ import engine.model_runner as model_runner
 from engine.constraints import JSON_OPTIONS, MAX_TOKEN_BYTES, ConstraintCompiler, ConstraintError, GrammarSpec, \
     tagged_json_lark
 from engine.engine import make_engine
-from engine.grammar_rows import RowGrammars
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import FinishReason, Request, RequestId, SamplingParams
+from engine.sampler import RowGrammars
 from engine.scheduler import SchedulerConfig
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
