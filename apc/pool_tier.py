@@ -14,7 +14,7 @@ the cache.
   row's window (rows read their sink and tail as one window).
 - **Bytes**: ``nbytes`` counts the blocks only the cache keeps (count 0); they live in what the KV
   budget leaves free (``headroom``, up to an optional cap) and admission evicts them
-  (``evict_to``) when a request needs the room. Held blocks are the rows' (``engine/admission.py``).
+  (``evict_to``) when a request needs the room. Held blocks are the rows' (``engine/scheduler.py``).
 - **Disk**: ``parts`` reads a block out of the pool for the disk tier's writer (the same block
   format: the sink's float16 keys and values, or a record's fields with the unit axes of a
   one-tile row, ``kvarn.paged.single_tile``, per layer); ``load`` writes a block read from disk into a free pool block.

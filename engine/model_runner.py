@@ -71,7 +71,7 @@ from kvarn.batch import BatchRows, ChunkRows
 from kvarn.decode_graph import ROW_BUCKETS, DecodePlan, written
 from kvarn.layout import KVLayout
 from kvarn.rows import RowStore, begin_verify, make_batch_cache, paged_row, plan_decode, verifies_in_batch
-from kvarn.step import forward_context
+from kvarn.attention import forward_context
 from metal import KERNELS
 from metal.selector import FUSED
 

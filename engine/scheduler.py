@@ -81,7 +81,6 @@ from engine.request import FinishReason, Request, RequestId, RequestStatus
 from engine.step_types import PrefillChunk, StepPlan, StepResult
 from kvarn.layout import KVLayout
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # share of the machine's memory given to the KV budget by default (weights are taken off first)
 DEFAULT_BUDGET_FRACTION = 0.5
 

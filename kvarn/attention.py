@@ -1,6 +1,7 @@
 """Attention over kvarn's storages: the seam from an mlx-lm model into them and its dispatch, a
 decode batch's attention over the paged KVarN records where no fused kernel attends, and a KVarN
-prompt chunk's attention (``kvarn.cpu_attention`` holds the CPU's own products).
+prompt chunk's attention (``kvarn.cpu_attention`` holds the CPU's own products); and the
+per-forward context every layer's cache and attention share (``StepContext``).
 
 The seam. mlx-lm models call ``scaled_dot_product_attention(queries, keys, values, cache, scale,
 mask)`` from ``mlx_lm.models.base`` after ``cache.update_and_fetch``; each model module binds that
@@ -37,14 +38,30 @@ A chunk's tokens attend the row's sink, the records committed before them (dequa
 to the attention dtype) and their own tile in float16, under one additive mask per chunk
 (``chunk_view_mask``, shared by every layer of the forward through its ``StepContext``), so a
 row's cache and outputs do not depend on how its prompt was chunked (docs/kvarn.md, "Attention").
+
+The per-forward context: what every layer of one forward shares, made once per forward. A
+forward runs the same rows through every layer, and each layer's cache would otherwise build
+the same small arrays again: the rows' RoPE offsets, the fp16 slots' write indices, the fused
+kernels' launch plans, a prompt chunk's attention mask, the paged pool's step index (window
+rows, commit plan, block tables, validity mask). The runner makes one ``StepContext`` per
+forward and hands it to every layer's cache for the length of that forward:
+
+    with forward_context(caches):          # engine/model_runner.py: each prompt or decode forward
+        logits = model(tokens, cache=caches)   # layer 0 makes what the step needs, layers 1.. read it
+
+Inside, a cache asks ``step_of(self).get(what, make)``: ``make()`` runs for the first layer that
+asks and the others get its result. The context is detached when the forward has been built, so
+nothing of one step is read by the next (a cache used outside a runner's forward, as in tests,
+gets a fresh context on every ask: the same results, made again).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models.cache import QuantizedKVCache
@@ -52,9 +69,58 @@ from mlx_lm.models.cache import QuantizedKVCache
 from kvarn import cpu_attention
 from kvarn.pool import RECORD_FIELDS, dequantize_blocks
 from kvarn.quantize import rotate
-from kvarn.step import StepContext
 from metal import KERNELS
 from metal.selector import FUSED
+
+# --- the per-forward context ---
+
+T = TypeVar("T")
+
+
+class StepContext:
+    """What one forward's layers share (module docstring). ``what`` names a thing and, where
+    layers could differ (heads, buffer shapes), what it depends on, e.g. ``("flat_rows", H, T)``."""
+
+    __slots__ = ("_made",)
+
+    def __init__(self) -> None:
+        self._made: dict[Hashable, Any] = {}
+
+    def get(self, what: Hashable, make: Callable[[], T]) -> T:
+        if what not in self._made:
+            self._made[what] = make()
+        return self._made[what]
+
+
+def step_of(cache: Any) -> StepContext:
+    """The context ``cache`` runs in: its forward's, or a fresh one outside a runner's forward."""
+    step = getattr(cache, "step", None)
+    return step if step is not None else StepContext()
+
+
+def _members(caches: Iterable[Any]) -> Iterator[Any]:
+    """Every cache of a forward: each layer's cache and, for batches, the rows inside it."""
+    for cache in caches:
+        yield cache
+        yield from getattr(cache, "rows", ())
+
+
+@contextmanager
+def forward_context(caches: Iterable[Any]) -> Iterator[StepContext]:
+    """One forward's context attached to ``caches`` (per-layer caches, batches with their rows)
+    while the forward is built, detached afterwards."""
+    members = list(_members(caches))
+    step = StepContext()
+    for cache in members:
+        cache.step = step
+    try:
+        yield step
+    finally:
+        for cache in members:
+            cache.step = None
+
+
+# --- the seam ---
 
 SEAM_NAME = "scaled_dot_product_attention"
 _SEAM_MARK = "__kvarn_seam__"

@@ -18,7 +18,7 @@ Everything that varies from step to step is an input array; what the graph is sp
 is the plan's ``static`` part: rows padded to a bucket (1, 2, 4, 8, ...), block tables padded to
 a width bucket, the number of commits padded to a bucket, where the batch's windows or slots
 start, the storage's shapes. So one compiled graph serves every step of the same bucket
-(``engine/forward.py: DecodeGraphs`` keeps them). Padding rows decode token 0 at position 0, write to
+(``engine/model_runner.py: DecodeGraphs`` keeps them). Padding rows decode token 0 at position 0, write to
 the pool's reserved pad window (id 0; slots: the last position of a free slot after the batch's,
 or no padding where none is free) and attend one valid position; a padding
 commit quantizes the pad window into the pad block (id 0, never read unmasked). Their outputs
@@ -41,11 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from kvarn.attention import decode_attention_over, fused_attention
+from kvarn.attention import decode_attention_over, fused_attention, step_of
 from kvarn.layout import KVLayout
 from kvarn.pool import PAD, RECORD_FIELDS, STORE_DTYPE, LayerArrays, quantize_window_tails
 from kvarn.quantize import rotate
-from kvarn.step import step_of
 from metal import KERNELS
 from metal.paged_plan import DecodePlan as KernelPlan
 from metal.paged_plan import static_plan, static_splits

@@ -30,13 +30,12 @@ import numpy as np
 
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from kvarn.attention import Chunk, attention_dtype, chunk_attention_over
+from kvarn.attention import Chunk, attention_dtype, chunk_attention_over, step_of
 from kvarn.batch import BatchRows
 from kvarn.decode_graph import PagedStepLayer, decode_step, decode_write, rounded
 from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks, \
     record_shapes
-from kvarn.step import step_of
 from kvarn.window import evicted_records
 
 

@@ -1,4 +1,4 @@
-"""The per-forward context (``kvarn/step.py``) through the real engine on the bundled model: what
+"""The per-forward context (``kvarn/attention.py``: ``StepContext``) through the real engine on the bundled model: what
 every layer of a forward shares is made once per forward (not once per layer, and not carried
 from one step into the next), a cache used outside a forward gets a fresh context, and no
 product module keeps per-step state of its own."""
@@ -19,7 +19,7 @@ from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
-from kvarn.step import StepContext, forward_context, step_of
+from kvarn.attention import StepContext, forward_context, step_of
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, prefill_chunk_size=256)
