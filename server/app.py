@@ -28,6 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from engine import EngineClient
 from engine.memory import trim_host_memory
 from server.anthropic_errors import anthropic_error_body, is_messages_path
+from server.chat import router as chat_router
 from server.config import ServerConfig, is_loopback
 from server.errors import error_body, install_error_handlers
 from server.metrics import Metrics
@@ -70,6 +71,7 @@ def create_app(config: ServerConfig, client: EngineClient | None = None) -> Fast
     app.state.in_flight = InFlight()  # what a drain waits for (DrainingServer)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(chat_router)
     app.include_router(messages_router)
     app.include_router(responses_router)
     app.include_router(tokenize_router)

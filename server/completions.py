@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine import EngineClient, ModelInfo
-from server.prepare import sampling_params
+from server.chat import sampling_params
 from server.protocol import CompletionRequest
 from server.streaming import Job
 from server.tools import structured_params
@@ -34,7 +34,7 @@ def prompt_texts(body: CompletionRequest) -> list[str | None]:
 
 async def completion_jobs(body: CompletionRequest, client: EngineClient, info: ModelInfo, prompts: list[list[int]],
                           system_fingerprint: str) -> list[Job]:
-    """The jobs of a completions request, one per prompt (``server.prepare.completion_prompts``).
+    """The jobs of a completions request, one per prompt (``server.chat.completion_prompts``).
     A prompt's ``SamplingParams`` differ only where its length does (the context check, the
     default ``max_tokens``); a response_format or guided_* constraint is compiled once."""
     scored = body.logprobs if body.echo and body.logprobs is not None else None

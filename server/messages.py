@@ -21,9 +21,8 @@ from server.anthropic import CountTokensRequest, MessagesRequest
 from server.anthropic_chat import chat_request
 from server.anthropic_errors import anthropic_error_body, anthropic_status
 from server.anthropic_stream import MessageBuilder
-from server.chat import chat_steps, check_bound, off_loop, prepare_chat, ready
+from server.chat import chat_prompt_ids, chat_steps, check_bound, check_model, off_loop, prepare_chat, ready
 from server.errors import APIError
-from server.prepare import chat_prompt_ids, check_model
 from server.streaming import Job, admit, until_disconnect
 from server.tools import plan_tools
 

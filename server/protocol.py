@@ -86,7 +86,7 @@ class FilePart(_Strict):
     prompt_cache_breakpoint: CacheBreakpoint | None = None
 
 
-# image, audio and file parts are read so that their refusal names them (server/prepare.py:
+# image, audio and file parts are read so that their refusal names them (server/chat.py:
 # check_unsupported): the served models take text only
 ContentPart = Annotated[TextPart | RefusalPart | ImagePart | AudioPart | FilePart, Field(discriminator="type")]
 
@@ -324,7 +324,7 @@ class _Sampling(_Strict):
     no_stop_trim: bool = False  # SGLang's (vllm-router sends it): a matched stop string stays at the text's end
     # vLLM's and SGLang's output switches, as vllm-router adds them to every request it forwards:
     # accepted at the behaviour this server has (the values below); another value is a 400
-    # (server/prepare.py: check_unsupported)
+    # (server/chat.py: check_unsupported)
     skip_special_tokens: bool = True
     continue_final_message: bool = False
     separate_reasoning: bool = True
@@ -425,7 +425,7 @@ class ChatCompletionRequest(_Sampling):
     """Every field of OpenAI's Chat Completions reference, each with its meaning here (README's
     Endpoints section), plus vLLM's extras. Fields for capabilities this server lacks (audio,
     images, files, web search, moderation, custom tools, the deprecated ``functions``) are read
-    so that ``server/prepare.py: check_unsupported`` refuses them by name."""
+    so that ``server/chat.py: check_unsupported`` refuses them by name."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -438,7 +438,7 @@ class ChatCompletionRequest(_Sampling):
                   | None) = None
     parallel_tool_calls: bool | None = None
     # the reasoning switch of a thinking model: "none" renders the prompt with thinking off, any
-    # other effort with it on (server/prepare.py: template_kwargs); no effect on other models
+    # other effort with it on (server/chat.py: template_kwargs); no effect on other models
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # vLLM's extra field: variables handed to the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
@@ -452,10 +452,10 @@ class ChatCompletionRequest(_Sampling):
     # hints with no effect on this server's models (verbosity) or on the answer (prediction)
     verbosity: Literal["low", "medium", "high"] | None = None
     prediction: Prediction | None = None
-    # who asked: written to the request's debug log line (server/prepare.py: check_unsupported)
+    # who asked: written to the request's debug log line (server/chat.py: check_unsupported)
     metadata: dict[str, Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]] | None = None
     safety_identifier: Annotated[str, Field(max_length=MAX_SAFETY_IDENTIFIER_CHARS)] | None = None
-    # capabilities this server lacks: refused by name (server/prepare.py: check_unsupported)
+    # capabilities this server lacks: refused by name (server/chat.py: check_unsupported)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: OutputAudio | None = None
     web_search_options: WebSearchOptions | None = None
@@ -482,7 +482,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    # 0 only with echo (server/prepare.py): the prompt, and with logprobs its scores, without a completion
+    # 0 only with echo (server/chat.py): the prompt, and with logprobs its scores, without a completion
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

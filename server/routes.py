@@ -1,5 +1,5 @@
-"""The HTTP routes: OpenAI's chat and completions, models, the prefix cache, health and metrics (and
-``/``, which names the server)."""
+"""The HTTP routes: OpenAI's legacy completions, models, the prefix cache, health and metrics (and
+``/``, which names the server). Chat completions has its own router (server/chat.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine import EngineClient, EngineNotReady, ModelInfo, attention_in_force
-from server.chat import check_bound, fingerprint, loading, off_loop, prepare_chat, ready
+from server.chat import check_bound, check_model, check_unsupported, completion_prompts, fingerprint, loading, \
+    off_loop, ready
 from server.completions import completion_jobs
 from server.errors import APIError, error_response
-from server.prepare import check_model, check_unsupported, completion_prompts
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import CompletionRequest
 from server.streaming import respond
 
 router = APIRouter()
@@ -101,11 +101,6 @@ async def cache_reset(request: Request) -> JSONResponse:
     except EngineNotReady as exc:
         raise loading() from exc
     return JSONResponse({"object": "cache.reset", **released})
-
-
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    return await respond([await prepare_chat(body, request)], body.stream, request)
 
 
 @router.post("/v1/completions", response_model=None)

@@ -4,7 +4,7 @@ A prefix-aware router must see a request as the replica will run it, as token id
 ``kv_aware`` policy posts each chat request to ``/v1/chat/completions/render`` (each completions
 request to ``/v1/completions/render``), hashes the ids in blocks and matches them against the
 replicas' KV events. Every id here comes from the chat and completions routes' own functions
-(``server/prepare.py``), so what a route runs and what it reports here are the same ids:
+(``server/chat.py``), so what a route runs and what it reports here are the same ids:
 
     /tokenize (chat form)          -> chat_prompt_ids, as chat completions renders its prompt
     /tokenize (prompt form)        -> the tokenizer (add_special_tokens: vLLM's default True)
@@ -25,10 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import EngineClient, ModelInfo, SamplingParams
-from server.chat import check_bound, off_loop, prepare_chat, ready
+from server.chat import chat_prompt_ids, check_bound, check_model, check_unsupported, completion_prompts, \
+    off_loop, prepare_chat, ready, template_kwargs
 from server.completions import completion_jobs
 from server.errors import APIError
-from server.prepare import chat_prompt_ids, check_model, check_unsupported, completion_prompts, template_kwargs
 from server.protocol import ChatCompletionRequest, CompletionRequest, invalid_text_path
 from server.streaming import Job
 from server.tools import plan_tools, template_messages
