@@ -113,7 +113,7 @@ class EngineClient:
         self._cost: Callable[[int, int, int], int] | None = None
         self._budget: int | None = None
         self._stop = threading.Event()
-        self.draining = False  # shutting down: new requests are refused with 503 (server/drain.py)
+        self.draining = False  # shutting down: new requests are refused with 503 (server/app.py: DrainingServer)
         self._used = False  # work ran since memory was last released (engine thread only)
         self._thread = threading.Thread(target=self._main, name="kvarn-engine", daemon=True)
 

@@ -27,13 +27,12 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 
-from engine import EngineClient, FinishReason, ModelInfo, ParsedDelta, RequestOutput, SamplingParams
-from server.chat_choices import choice_format
+from engine import EngineClient, FinishReason, ModelInfo, OutputParser, ParsedDelta, RequestOutput, SamplingParams
 from server.errors import APIError
 from server.protocol import AudioPart, ChatCompletionRequest, ChatMessage, CompletionRequest, FilePart, \
     ImagePart, RefusalPart, _Sampling
-from server.streaming import Job, finish_name, observe, outputs, respond
-from server.tools import force_calls, plan_tools, structured_params, template_messages
+from server.streaming import ChoiceFormat, Job, finish_name, observe, outputs, respond
+from server.tools import ToolPlan, force_calls, plan_tools, structured_params, template_messages
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +196,10 @@ def check_unsupported(body: _Sampling) -> None:
                  getattr(body, "safety_identifier", None), getattr(body, "metadata", None))
     if isinstance(body, ChatCompletionRequest):
         _check_chat_capabilities(body)
-    for field, what in _FIXED_SWITCHES:
-        if getattr(body, field) != body.model_fields[field].default:
-            raise APIError(400, f"'{field}: {str(getattr(body, field)).lower()}' is not supported: {what}",
-                           param=field, code="unsupported_value")
+    for name, what in _FIXED_SWITCHES:
+        if getattr(body, name) != body.model_fields[name].default:
+            raise APIError(400, f"'{name}: {str(getattr(body, name)).lower()}' is not supported: {what}",
+                           param=name, code="unsupported_value")
     if body.n > MAX_CHOICES:
         raise APIError(400, f"n must be at most {MAX_CHOICES}.", param="n", code="invalid_value")
     if isinstance(body, CompletionRequest):
@@ -234,13 +233,13 @@ def _check_chat_capabilities(body: ChatCompletionRequest) -> None:
     """Output other than text, web search, moderation and the deprecated function fields: 400s."""
     if body.modalities is not None and any(m != "text" for m in body.modalities):
         raise _unsupported("modalities", f"Audio output is not supported: {_TEXT_ONLY}; send modalities: [\"text\"].")
-    for field, what in (("audio", "Audio output"), ("web_search_options", "Web search (this server searches "
+    for name, what in (("audio", "Audio output"), ("web_search_options", "Web search (this server searches "
                         "nothing)"), ("moderation", "Moderation (this server runs no moderation model)")):
-        if getattr(body, field) is not None:
-            raise _unsupported(field, f"{what} is not supported; leave out '{field}'.")
-    for field in ("functions", "function_call"):
-        if getattr(body, field) is not None:
-            raise _unsupported(field, _LEGACY_FUNCTIONS)
+        if getattr(body, name) is not None:
+            raise _unsupported(name, f"{what} is not supported; leave out '{name}'.")
+    for name in ("functions", "function_call"):
+        if getattr(body, name) is not None:
+            raise _unsupported(name, _LEGACY_FUNCTIONS)
     for i, message in enumerate(body.messages):
         _check_message(i, message)
 
@@ -399,3 +398,16 @@ def sampling_params(body: _Sampling, prompt_len: int, info: ModelInfo, *, defaul
         prompt_logprobs=prompt_logprobs,
         speculative=body.speculative,
     )
+
+
+def choice_format(client: EngineClient, prompt_ids: list[int], plan: ToolPlan, reasoning: bool) -> ChoiceFormat:
+    """How to split a chat request's choices: tool calls when ``plan`` reads them, reasoning when
+    ``reasoning`` is on and the model has think markers; else no split at all."""
+    chat_format = client.info.chat_format if client.info is not None else None
+    if chat_format is None or not (plan.parse or (reasoning and chat_format.has_thinking)):
+        return ChoiceFormat()
+
+    def make_parser() -> OutputParser:
+        return client.output_parser(prompt_ids, tools=plan.tools, parse_tools=plan.parse, reasoning=reasoning)
+
+    return ChoiceFormat(make_parser, plan.max_calls, plan.parse)
