@@ -287,14 +287,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=INT",
-                   help="override an integer module constant first (e.g. metal.paged_plan.BLOCKS_PER_SM=4)")
     args = p.parse_args()
-    import importlib
-    for item in args.set:
-        target, value = item.split("=")
-        module, name = target.rsplit(".", 1)
-        setattr(importlib.import_module(module), name, int(value))
     env = environment()
     report = {"env": env, "args": vars(args), "runs": []}
     out = Path(args.out)

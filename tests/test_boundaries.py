@@ -64,6 +64,13 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def _imports_by_name(node: ast.AST) -> bool:
+    """``importlib.import_module(...)`` / ``import_module(...)``: a module named at run time."""
+    func = node.func if isinstance(node, ast.Call) else None
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or \
+        (isinstance(func, ast.Name) and func.id == "import_module")
+
+
 def state_writes(path: Path) -> list[str]:
     """Where a module writes state it imported from the project (``mod.NAME = ...``,
     ``mod.NAME[:] = ...``, ``setattr(mod, ...)``) or rebinds an UPPER_CASE module name inside a
@@ -77,7 +84,7 @@ def state_writes(path: Path) -> list[str]:
             if isinstance(target, (ast.Attribute, ast.Subscript)) and _root_name(target) in aliases:
                 found.append(f"{node.lineno}: {ast.unparse(target)} = ...")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
-                and node.args and _root_name(node.args[0]) in aliases:
+                and node.args and (_root_name(node.args[0]) in aliases or _imports_by_name(node.args[0])):
             found.append(f"{node.lineno}: {ast.unparse(node)}")
         if isinstance(node, ast.Global) and any(n.isupper() for n in node.names):
             found.append(f"{node.lineno}: global {', '.join(node.names)}")
@@ -129,8 +136,9 @@ def test_the_state_checks_see_what_they_forbid(tmp_path):
     sample.write_text("import metal\nfrom metal.cuda import commit as C\nimport numpy as np\n"
                       "metal._VERDICT[:] = ['reference']\nC.RECIPROCAL_DIVISION = 0\nsetattr(C, 'X', 1)\n"
                       "np.seterr = None\n_CACHE: dict = {}\n_SEEN = set()\nNAMES = ['a']\n"
-                      "def f():\n    global LIMIT\n    LIMIT = 2\n")
-    assert [w.split(":")[0] for w in state_writes(sample)] == ["4", "5", "6", "12"]
+                      "def f():\n    global LIMIT\n    LIMIT = 2\n"
+                      "import importlib\nsetattr(importlib.import_module('metal.device'), 'N', 1)\n")
+    assert [w.split(":")[0] for w in state_writes(sample)] == ["4", "5", "6", "12", "15"]
     assert switch_names(sample) == ["5: RECIPROCAL_DIVISION"]
     assert [w.split(":")[0] for w in empty_module_containers(sample)] == ["8", "9"]
 
