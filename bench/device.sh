@@ -12,6 +12,8 @@
 #   bash bench/device.sh commit-ab      # the decode commit step with CUDA graphs on and off
 #   bash bench/device.sh apc            # the prefix cache's TTFT: cold, memory hit, disk hit after a restart
 #   bash bench/device.sh batching       # the bundled model's continuous batching and batched-vs-alone parity
+#   bash bench/device.sh speculative    # speculative decoding off / ngram / oracle (/ draft) in one process, the
+#                                               #   bundled model then the 8B shape (ROUNDS: 5; LAYOUT: kvarn-k4v2)
 # TESTS= skips a mode's GPU tests. Every call ends by packing MLX's compiled-kernel cache into $OUT
 # (mlx-cuda-kit --ptx-cache takes it). Each step has its own time limit; logs and JSON land in $OUT,
 # named as in bench/results/.
@@ -104,7 +106,14 @@ case "${1:-}" in
     TAIL=16 step batching 140 python3 bench/device_batching.py --out /tmp/batching --dtype float16 --levels 16,64
     cp /tmp/batching/device-batching.json "$OUT/device-batching-h200.json"
     ;;
-  *) echo "usage: $0 checks|engine|async|batch-prefill|prefill|commit|commit-ab|apc|batching" >&2; exit 2 ;;
+  speculative)
+    spec="python3 bench/device_speculative.py --rounds ${ROUNDS:-5} --layout ${LAYOUT:-kvarn-k4v2}"
+    TAIL=24 step spec-bundled "${BUNDLED_S:-150}" $spec --model bundled --time-budget $(( ${BUNDLED_S:-150} - 15 )) \
+      --out "$OUT/speculative-{card}-bundled.json"
+    TAIL=24 step spec-8b "${SPEC8B_S:-330}" $spec --model 8b --time-budget $(( ${SPEC8B_S:-330} - 15 )) \
+      --out "$OUT/speculative-{card}-8b.json"
+    ;;
+  *) echo "usage: $0 checks|engine|async|batch-prefill|prefill|commit|commit-ab|apc|batching|speculative" >&2; exit 2 ;;
 esac
 cat $LOGS/*.log > "$OUT/logs.txt"
 [ -n "${MLX_PTX_CACHE_DIR:-}" ] && [ -d "$MLX_PTX_CACHE_DIR" ] && tar -C "$MLX_PTX_CACHE_DIR" -cJf "$OUT/mlx-ptx-cache.tar.xz" . \

@@ -30,6 +30,11 @@ class ReplayProposer:
     def __init__(self, book: dict[tuple[int, ...], list[int]]) -> None:
         self.book = book
 
+    @classmethod
+    def from_entries(cls, entries: list[dict]) -> ReplayProposer:
+        """From a book's entries, ``[{"prompt": [ids], "output": [ids]}]``."""
+        return cls({tuple(e["prompt"]): e["output"] for e in entries})
+
     def propose(self, asks: Sequence[Ask]) -> dict[RequestId, Draft]:
         out = {}
         for ask in asks:
@@ -48,13 +53,13 @@ class ReplayProposer:
 
 
 def main() -> int:
-    book = {tuple(e["prompt"]): e["output"] for e in json.loads(Path(sys.argv[1]).read_text())}
+    proposer = ReplayProposer.from_entries(json.loads(Path(sys.argv[1]).read_text()))
     from server.cli import main as cli
 
     def with_oracle(config):  # the server's config, its speculation proposing from the book
         if config.engine.speculative is None:
             raise SystemExit("the oracle server needs --speculative ngram (its proposer is replaced)")
-        spec = replace(config.engine.speculative, proposer=ReplayProposer(book))
+        spec = replace(config.engine.speculative, proposer=proposer)
         return replace(config, engine=replace(config.engine, speculative=spec))
 
     return cli(sys.argv[2:], adjust=with_oracle)

@@ -37,8 +37,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -76,14 +74,30 @@ NGRAM_FLAGS = ("--num-speculative-tokens", "8", "--speculative-ngram-max", "8")
 LD_PRELOAD = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 
 
+def greedy_book(engine, tokenizer, lengths: dict[str, int], id_prefix: str = "b") -> list[dict]:
+    """Greedy continuations through ``engine`` (speculation off), every prompt at once:
+    ``lengths`` maps a user message to the tokens it generates (EOS ignored); returns the
+    oracle's book, ``[{"prompt": token ids (the server's chat rendering), "output": token ids}]``."""
+    from engine.chat_format import chat_prompt_ids
+    from engine.request import Request, RequestId, SamplingParams
+
+    requests = []
+    for i, (text, n) in enumerate(lengths.items()):
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+        requests.append(Request(RequestId(f"{id_prefix}{i}"), ids, SamplingParams(max_tokens=n, temperature=0.0,
+                                                                                   ignore_eos=True)))
+        engine.add_request(requests[-1])
+    while engine.has_work():
+        engine.step()
+    return [{"prompt": r.prompt_ids, "output": r.output_ids} for r in requests]
+
+
 def record(path: Path) -> None:
     """Greedy continuations of every prompt (the longest max_tokens it is asked for), as the
-    oracle's book: prompt token ids (the server's chat rendering) -> output token ids."""
-    from engine.chat_format import chat_prompt_ids
+    oracle's book (``greedy_book``), made in this process with the server's default layout."""
     from engine.engine import make_engine
     from engine.kv_config import ApcConfig
     from engine.loader import load_model
-    from engine.request import Request, RequestId, SamplingParams
     from engine.scheduler import SchedulerConfig
 
     loaded = load_model()
@@ -92,15 +106,7 @@ def record(path: Path) -> None:
     for s in SCENARIOS:
         for p in s.prompts:
             longest[p] = max(longest.get(p, 0), s.max_tokens)
-    requests = []
-    for i, (text, n) in enumerate(longest.items()):
-        ids = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": text}])
-        requests.append(Request(RequestId(f"b{i}"), ids, SamplingParams(max_tokens=n, temperature=0.0,
-                                                                         ignore_eos=True)))
-        engine.add_request(requests[-1])
-    while engine.has_work():
-        engine.step()
-    path.write_text(json.dumps([{"prompt": r.prompt_ids, "output": r.output_ids} for r in requests]))
+    path.write_text(json.dumps(greedy_book(engine, loaded.tokenizer, longest)))
 
 
 def start(arm: str, port: int, tmp: Path, log: Path) -> subprocess.Popen:
@@ -121,6 +127,8 @@ def start(arm: str, port: int, tmp: Path, log: Path) -> subprocess.Popen:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -136,6 +144,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 async def run_round(url: str, s: Scenario, prompts: list[str]) -> tuple[int, float]:
     """(completion tokens, wall seconds) of ``prompts`` sent with ``s.concurrency`` at a time."""
+    import httpx
+
     gate = asyncio.Semaphore(s.concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         async def one(text: str) -> int:
@@ -151,6 +161,8 @@ async def run_round(url: str, s: Scenario, prompts: list[str]) -> tuple[int, flo
 
 
 def acceptance(url: str) -> tuple[int, int]:
+    import httpx
+
     spec = httpx.get(url + "/health", timeout=10).json().get("speculative") or {}
     return spec.get("draft_tokens", 0), spec.get("accepted_tokens", 0)
 
