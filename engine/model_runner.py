@@ -105,31 +105,49 @@ class Dispatched:
 
 
 class DecodeBatch:
-    """The rows decoding together, in a stable order, as one batch cache per layer."""
+    """The rows decoding together as one batch cache per layer. A row keeps its place while it
+    decodes: one that leaves leaves a hole, filled by a row that joins, else by the batch's last
+    row, so the rows' storage stays where the step reads it (``kvarn.decode_graph.place_windows``,
+    ``kvarn.slots.SlotStore``: a hole costs one row's move, a join into a hole none) and the plan's
+    structure stays the same (``DecodeGraphs``)."""
 
     def __init__(self) -> None:
         self.ids: list[RequestId] = []
         self.layers: list[BatchRows] = []
 
     def sync(self, wanted: tuple[RequestId, ...], rows: Mapping[RequestId, Row]) -> None:
-        """Rows not in ``wanted`` leave; new ones join at the end (nobody's cache is copied)."""
-        keep = set(wanted)
-        if any(i not in keep for i in self.ids):
-            kept = [k for k, i in enumerate(self.ids) if i in keep]
-            for layer in self.layers:
-                layer.filter(kept)
-            self.ids = [self.ids[k] for k in kept]
-        present = set(self.ids)
+        """The batch becomes ``wanted``: rows not in it leave, new ones take the holes, then the
+        end (nobody's cache is copied here)."""
+        keep, present = set(wanted), set(self.ids)
         joining = [i for i in wanted if i not in present]
-        if not joining:
+        order = [i if i in keep else None for i in self.ids]
+        if None not in order and not joining:
             return
-        if not self.layers:
-            self.layers = [make_batch_cache([rows[i].cache[l] for i in joining])
-                           for l in range(len(rows[joining[0]].cache))]
-        else:
+        for k, i in enumerate(order):
+            if i is None and joining:
+                order[k] = joining.pop(0)
+        while None in order:  # holes left: the last rows move into them
+            last = order.pop()
+            if last is not None:
+                order[order.index(None)] = last
+        order += joining
+        survivors = [i for i in self.ids if i in keep]
+        if len(survivors) < len(self.ids):
+            index = {i: k for k, i in enumerate(self.ids)}
+            for layer in self.layers:
+                layer.filter([index[i] for i in survivors])
+        new = [i for i in order if i not in present]
+        if new and not self.layers:
+            self.layers = [make_batch_cache([rows[i].cache[l] for i in new]) for l in range(len(rows[new[0]].cache))]
+        elif new:
             for l, layer in enumerate(self.layers):
-                layer.extend(rows[i].cache[l] for i in joining)
-        self.ids.extend(joining)
+                layer.extend(rows[i].cache[l] for i in new)
+        held = survivors + new  # the layers' order now
+        if held != order:
+            index = {i: k for k, i in enumerate(held)}
+            for layer in self.layers:
+                layer.filter([index[i] for i in order])
+        self.ids = order
 
     def drop(self, gone: tuple[RequestId, ...]) -> None:
         """Rows that ended leave at once (their caches are released with them)."""

@@ -193,3 +193,66 @@ def test_graphs_are_bounded(loaded, monkeypatch):
         while engine.has_work():
             engine.step()
     assert len(graphs) <= 2 and graphs.traces >= 3
+
+
+class _Layer:
+    """A batch cache that only keeps its rows' order (what ``DecodeBatch`` asks of one)."""
+
+    def __init__(self, rows):
+        self.rows = list(rows)
+
+    def filter(self, keep):
+        self.rows = [self.rows[i] for i in keep]
+
+    def extend(self, rows):
+        self.rows += list(rows)
+
+
+def test_a_row_keeps_its_place_in_the_decode_batch(monkeypatch):
+    """A row that leaves leaves a hole: a joining row takes it, else the batch's last row moves
+    into it; nobody else moves (their storage stays where the step reads it)."""
+    monkeypatch.setattr(model_runner, "make_batch_cache", _Layer)
+    rows = {i: model_runner.Row([f"{i}/0", f"{i}/1"], None, None) for i in "abcdefgh"}
+    batch = model_runner.DecodeBatch()
+    batch.sync(tuple("abcd"), rows)
+    steps = [("acde", "aecd"),  # b's place goes to e
+             ("ecd", "dec"),  # a leaves and nobody joins: the last row, d, takes its place
+             ("dcfg", "dfcg"),  # e's place to f, g at the end
+             ("dg", "dg"),  # two holes, the last row fills the first
+             ("dgh", "dgh"),
+             ("", "")]
+    for wanted, order in steps:
+        batch.sync(tuple(wanted), rows)
+        assert batch.ids == list(order)
+        for l, layer in enumerate(batch.layers):
+            assert layer.rows == [f"{i}/{l}" for i in order]
+
+
+@pytest.mark.parametrize("arm", ["fp16", "kvarn-k4v2"])
+def test_rows_coming_and_going_keep_the_batchs_storage_in_place(loaded, arm, monkeypatch):
+    """Rows of a decode batch end at different steps while new ones arrive: the batch's windows
+    (KVarN) or slots (fp16) stay at one place, so the step's structure changes only with its
+    buckets, and every structure is traced once."""
+    engine = _engine(loaded, arm, "compiled", monkeypatch, apc=False)
+    starts = []
+    real = model_runner.plan_decode
+
+    def plan(caches, **kw):
+        p = real(caches, **kw)
+        if p is not None:
+            starts.append(p.static[6] if p.static[0] == "paged" else p.static[2])
+        return p
+
+    monkeypatch.setattr(model_runner, "plan_decode", plan)
+    rng = random.Random(5)
+    for i in range(16):  # 6 at first, then one more whenever one ends
+        engine.add_request(Request(RequestId(f"w{i}"), [rng.randrange(16, 8000) for _ in range(rng.randrange(4, 40))],
+                                   SamplingParams(max_tokens=rng.randrange(5, 40), temperature=0.0, ignore_eos=True)))
+        while len(engine.runner.rows) + len(engine.scheduler.waiting) >= 6 and engine.has_work():
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    graphs = engine.runner.graphs
+    assert len(starts) == graphs.steps > 60
+    assert len(set(starts)) == 1, sorted(set(starts))
+    assert graphs.traces == len(graphs._uses) <= 8  # each structure traced once: row buckets only
