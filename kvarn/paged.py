@@ -333,9 +333,12 @@ class PagedLayer(_BaseCache):
         G = self.layout.tile_size
         pool, row = self.row.pool, self.row
         a = pool.layers[self.l]
-        slot = mx.array([row.slot], dtype=mx.int32)  # a gather, not a view: the write below is then in place
-        k_all = mx.concatenate([a.win_k[slot][..., G: G + self.tail_len, :], k_new], axis=2)
-        v_all = mx.concatenate([a.win_v[slot][..., G: G + self.tail_len, :], v_new], axis=2)
+        k_all, v_all = k_new, v_new
+        if self.tail_len:  # (read only where there is a tail: a read of the windows before another row's
+            # write in the same forward keeps that version alive, and the write then copies every window)
+            slot = mx.array([row.slot], dtype=mx.int32)  # a gather, not a view: the write below is then in place
+            k_all = mx.concatenate([a.win_k[slot][..., G: G + self.tail_len, :], k_new], axis=2)
+            v_all = mx.concatenate([a.win_v[slot][..., G: G + self.tail_len, :], v_new], axis=2)
         _, H, total, D = k_all.shape
         num_full = total // G
         if num_full:
