@@ -400,20 +400,24 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
         raise ValueError("records start past record 0 only in a windowed row")
     window_start = end
     on_cpu = q.dtype == mx.float32 and mx.default_device() == mx.cpu  # MLX's CPU softmax: a scalar exp an element
+    # the CPU takes the window tile by tile beside the mask (``cpu_attention.window_attention``), except
+    # before the prompt's first record (fewer than 2G tokens): then every token sees exactly the keys up
+    # to its own, and one causal product over the sink and the window is the cheaper way
+    by_tiles = on_cpu and (rec_k is not None or window is not None)
     if chunk.window_k is not None:
         window_start = chunk.window_start
-        if not on_cpu:
+        if not by_tiles:
             parts_k.append(chunk.window_k.astype(sink_k.dtype))
             parts_v.append(chunk.window_v.astype(sink_v.dtype))
     keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k, axis=2)
     values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
     keys, values = keys.astype(q.dtype), values.astype(q.dtype)
-    mask_end = window_start if on_cpu else end  # the CPU takes the window tile by tile, beside the mask
+    mask_end = window_start if by_tiles else end
     shape = (start, end, sink_k.shape[2], num_records, window_start, G, q.dtype, rec_first, window, mask_end)
     mask = (step or StepContext()).get(("chunk_mask", *shape), lambda: chunk_view_mask(*shape[:-1], mask_end))
     if not on_cpu:
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    elif window_start < end:
+    elif by_tiles and window_start < end:
         out = cpu_attention.window_attention(q, keys, values, mask, chunk.window_k.astype(q.dtype),
                                              chunk.window_v.astype(q.dtype), start=start, window_start=window_start,
                                              G=G, scale=scale)

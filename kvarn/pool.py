@@ -335,10 +335,15 @@ class KVarNPool:
         row's ``tail_len`` are tokens), every layer."""
         sink = self.allocate("sinks", 1)[0]
         where = self._part(part)
+        saved = []
         for l, a in enumerate(self.layers):
             if self.shapes[l] is not None:
                 a.sink_k[sink: sink + 1] = mx.array(a.win_k[slot: slot + 1, :, where].astype(STORE_DTYPE))
                 a.sink_v[sink: sink + 1] = mx.array(a.win_v[slot: slot + 1, :, where].astype(STORE_DTYPE))
+                saved += [a.sink_k, a.sink_v]
+        # copied now: a pending copy holds the windows' current version, so the next step's write of
+        # the windows could not be in place (it would copy every window of every layer first)
+        mx.eval(saved)
         return sink
 
     def load_sink(self, sink: int, slot: int, part: str = "sink") -> None:
