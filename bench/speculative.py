@@ -121,7 +121,7 @@ def start(arm: str, port: int, tmp: Path, log: Path) -> subprocess.Popen:
     else:
         book = tmp / "book.json"
         cmd = [sys.executable, str(ROOT / "bench" / "spec_oracle_server.py"), str(book), *flags,
-               "--speculative", "ngram"]
+               "--speculative", "ngram", "--num-speculative-tokens", "4"]
     env = {**os.environ, "LD_PRELOAD": LD_PRELOAD, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
