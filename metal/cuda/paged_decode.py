@@ -370,8 +370,10 @@ COMBINE_SOURCE = r"""
   const int H = NQ / NR, h = qh / NR, r = qh % NR;
   const int w0 = row_work[b], w1 = row_work[b + 1];
   float mx_ = -INFINITY;
+#pragma unroll 8
   for (int w = w0; w < w1; ++w) mx_ = fmaxf(mx_, part_ml[(((size_t)w * H + h) * NR + r) * 2]);
   float acc = 0.f, den = 0.f;
+#pragma unroll 8
   for (int w = w0; w < w1; ++w) {
     const size_t i = ((size_t)w * H + h) * NR + r;
     const float mw = part_ml[i * 2];
