@@ -243,9 +243,10 @@ def test_static_plan_gives_every_row_the_same_items_covering_its_tiles_once():
 
 
 @pytest.mark.skipif(not cuda_emulator.available(), reason="no g++ for the CUDA emulator")
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 11])
 def test_emulated_kernel_with_a_static_plan_and_empty_items_matches_float64(splits):
-    """A plan of fixed size (a compiled step's): rows shorter than its items leave some empty."""
+    """A plan of fixed size (a compiled step's): rows shorter than its items leave some empty;
+    11 items a row run the combine's unrolled loops past one group of 8."""
     case = make_case([1, 130, 5 * 128 + 9], n_kv_heads=1, n_rep=4, head_dim=128, tile_size=128, key_bits=4,
                      value_bits=2, seed=4)
     got = cuda_emulator.emulated_paged_decode_attention(plan=_static(case, splits), **case.kwargs())

@@ -251,9 +251,10 @@ def test_static_plan_gives_every_row_the_same_items_covering_its_tokens_once():
 
 
 @needs_gxx
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 11])
 def test_emulated_kernel_with_a_static_plan_and_empty_items_matches_float64(splits):
-    """A plan of fixed size (a compiled step's): rows shorter than its items leave some empty."""
+    """A plan of fixed size (a compiled step's): rows shorter than its items leave some empty;
+    11 items a row run the combine's unrolled loops past one group of 8."""
     case = make_case([1, 3, 600], n_rep=2, seed=6)
     work, row_work, rows = static_plan(case["slots"], case["lengths"], splits)
     plan = RaggedPlan(work=work, row_work=row_work, rows=rows, num_items=3 * splits, items=(), slots=case["slots"],
