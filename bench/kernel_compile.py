@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from metal.cuda.commit import HEADER as COMMIT_HEADER, INPUTS as COMMIT_INPUTS, SOURCE as COMMIT_SOURCE  # noqa: E402
-from metal.cuda.paged_decode import ATTENTION_INPUTS, ATTENTION_OUTPUTS, ATTENTION_SOURCE, HEADER  # noqa: E402
-from metal.cuda.paged_decode_mma import MMA_HEADER, MMA_SOURCE  # noqa: E402
+from metal.cuda.paged_decode import ATTENTION_INPUTS, ATTENTION_OUTPUTS, ATTENTION_SOURCE, HEADER, MMA_HEADER, \
+    MMA_SOURCE  # noqa: E402
 from metal.records import RECORD_FIELDS  # noqa: E402
 
 PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"

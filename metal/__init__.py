@@ -1,8 +1,10 @@
 """Hand-written kernels through MLX's custom-kernel API, by backend, each with a pure-MLX reference.
 
-    metal/cuda/     the CUDA kernels (mx.fast.cuda_kernel), each wrapper and its CUDA text in one module:
-                    paged_decode (+ paged_decode_mma, its tensor-core body), commit, ragged_decode
-    metal/msl/      their Metal Shading Language twins (mx.fast.metal_kernel): paged_decode, commit
+    metal/cuda/     the CUDA kernels (mx.fast.cuda_kernel), one wrapper module each: paged_decode (a
+                    tensor-core body and a scalar one), commit, ragged_decode; their CUDA text in src/
+    metal/msl/      their Metal Shading Language twins (mx.fast.metal_kernel): paged_decode, commit;
+                    their Metal text in src/
+    sources.py      the loader of the kernels' source files (package data)
     paged_plan.py   the paged decode's split plan (RowLengths, DecodePlan), shared by both backends
     reference.py    the pure-MLX twins of the decode kernels
     records.py      the record fields and their block-major shapes; launch.py: minify, constant inputs

@@ -18,9 +18,13 @@ Scores use the factored keys K[g, d] = (code[d, g] * alpha[d] + beta[d]) * r[g]:
 s[g] = sum_s r[s, g] * (sum_{d in s} (q[d] alpha[d]) code[d, g] + sum_{d in s} q[d] beta[d]); values
 likewise: o[d] += c[d] * (sum_g (p[g] v_alpha[g]) code[g, d] + sum_g p[g] v_beta[g]) per tile.
 
-The module owns the CUDA header both bodies share (``HEADER``), the scalar body
-(``ATTENTION_SOURCE``) and the combine (``COMBINE_SOURCE``), below the constants; the launches and
-the wrapper. The tensor-core body is ``metal.cuda.paged_decode_mma``'s.
+Two attention bodies: a tensor-core one (``mma.sync``, for the shapes ``mma_supported`` names) and
+a scalar one (every shape the kernel takes). Their CUDA text lives in ``metal/cuda/src``, read at
+import (``metal.sources``): the header both bodies and the combine share (``paged_decode.cuh``), the
+tensor-core body's header and its two halves (``paged_decode_mma.cuh``, ``paged_decode_mma_setup.cu``,
+``paged_decode_mma_tiles.cu``), the scalar body (``paged_decode_scalar.cu``) and the combine
+(``paged_decode_combine.cu``). The module owns the shape rules, the shared-memory sizes, the
+launches and the wrapper.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from metal.cuda.paged_decode_mma import MMA_HEADER, MMA_SOURCE, mma_shared_bytes, mma_supported
 from metal.launch import minify, scalar_inputs
 from metal.paged_plan import SCALAR_BLOCKS_PER_SM, DecodePlan, RowLengths, make_plan
 from metal.records import RECORD_FIELDS
+from metal.sources import source
 
 NUM_THREADS = 128  # one block: 4 warps
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -51,349 +55,45 @@ COMBINE_OUTPUTS = ["out"]
 # ---- the CUDA source: a shared header, the scalar split-K attention body and the combine body, as
 # ``mx.fast.cuda_kernel`` takes them (bodies only: MLX writes the signature from the input and output
 # names and the template arguments). The layout and the algorithm: the module docstring and
-# docs/kernels.md; the tensor-core body is ``metal.cuda.paged_decode_mma``'s.
-HEADER = r"""
-#define KV_THREADS 128
-#define KV_FULL 0xffffffffu
+# docs/kernels.md.
+HEADER = source("cuda", "paged_decode.cuh")
+ATTENTION_SOURCE = source("cuda", "paged_decode_scalar.cu")
+COMBINE_SOURCE = source("cuda", "paged_decode_combine.cu")
 
-template <int B>
-__device__ __forceinline__ unsigned int kv_code(const unsigned int* s, int bit) {
-  // b-bit code at stream bit `bit` of a little-endian bit stream (3-bit codes straddle words)
-  const int w = bit >> 5, o = bit & 31;
-  unsigned int v = s[w] >> o;
-  if (32 % B != 0) {
-    if (o > 32 - B) v |= s[w + 1] << (32 - o);
-  }
-  return v & ((1u << B) - 1u);
-}
-
-// NR per-head factors at p (16-byte loads when NR is a multiple of 4; p is then 16-byte aligned)
-template <int NR>
-__device__ __forceinline__ void kv_rep(const float* p, float* out) {
-  if (NR % 4 == 0) {
-    for (int i = 0; i < NR / 4; ++i) {
-      const float4 v = reinterpret_cast<const float4*>(p)[i];
-      out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
-    }
-  } else {
-    for (int i = 0; i < NR; ++i) out[i] = p[i];
-  }
-}
-
-__device__ __forceinline__ float kv_warp_sum(float v) {
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(KV_FULL, v, m);
-  return v;
-}
-
-__device__ __forceinline__ float kv_warp_max(float v) {
-  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(KV_FULL, v, m));
-  return v;
-}
-
-__device__ __forceinline__ float kv_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float kv_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float kv_f(float x) { return x; }
-__device__ __forceinline__ void kv_store(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void kv_store(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
-__device__ __forceinline__ void kv_store(float* p, float x) { *p = x; }
-
-// eight consecutive window values (16-byte loads; float windows: two)
-__device__ __forceinline__ void kv_load8(const __half* p, float* out) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-  for (int i = 0; i < 4; ++i) {
-    __half2 h2 = *reinterpret_cast<const __half2*>(&w[i]);
-    float2 f = __half22float2(h2);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void kv_load8(const float* p, float* out) {
-  const float4 a = reinterpret_cast<const float4*>(p)[0];
-  const float4 b = reinterpret_cast<const float4*>(p)[1];
-  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
-  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
-}
-"""
-
-ATTENTION_SOURCE = r"""
-  constexpr int W = D > 128 ? 128 : D;      // channels per slice
-  constexpr int S = D / W;                  // slices
-  constexpr int KGW = G * KB / 32;          // K code words per channel
-  constexpr int KCW = D * KGW;              // K code words per tile and head
-  constexpr int VDW = D * VB / 32;          // V code words per token
-  constexpr int VCW = G * VDW;              // V code words per tile and head
-  constexpr int TPT = KV_THREADS / G;       // QK: threads per token (they split the channels)
-  constexpr int CT = D < KV_THREADS ? D : KV_THREADS;  // PV: threads per channel set
-  constexpr int TPC = KV_THREADS / CT;      // PV: token partitions
-  constexpr int NCH = D / CT;               // PV: channels per thread
-  constexpr int RS = NR * (1 + S);          // reduction slots per warp
-  constexpr float LOG2E = 1.4426950408889634f;
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  unsigned int* s_kc = reinterpret_cast<unsigned int*>(smem_raw);  // [KCW]
-  unsigned int* s_vc = s_kc + KCW;           // [VCW]
-  float* s_q = reinterpret_cast<float*>(s_vc + VCW);  // [D][NR] rotated queries
-  float* s_qa = s_q + D * NR;                // [D][NR] q * k_alpha
-  float* s_kr = s_qa + D * NR;               // [S][G] k_r
-  float* s_va = s_kr + S * G;                // [G][S] v_alpha
-  float* s_vb = s_va + G * S;                // [G][S] v_beta
-  float* s_cv = s_vb + G * S;                // [D] v_c
-  float* s_pa = s_cv + D;                    // [S][G][NR] p * v_alpha (p for window tiles)
-  float* s_qb = s_pa + S * G * NR;           // [4][S][NR] per-warp partial q . k_beta
-  float* s_red = s_qb + 4 * S * NR;          // [4][RS] per-warp max / sums
-  float* s_o = s_red + 4 * RS;               // [NR][D] scratch
-
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int wi = blockIdx.x, h = blockIdx.y, H = gridDim.y;
-  const int b = work[wi * 3], t0 = work[wi * 3 + 1], t1 = work[wi * 3 + 2];
-  const int slot = rows[b * 4], sink_len = rows[b * 4 + 1], tail_len = rows[b * 4 + 2], nt = rows[b * 4 + 3];
-  const int nb = meta[0];
-  const float sl2 = meta_f[0] * LOG2E;
-
-  // queries of this KV head -> s_o [NR][D], rotated (Hadamard per W-slice), rounded to half
-  for (int i = t; i < NR * D; i += KV_THREADS)
-    s_o[i] = kv_f(queries[((size_t)b * H * NR + (size_t)h * NR) * D + i]);
-  __syncthreads();
-  for (int len = 1; len < W; len <<= 1) {
-    for (int k = t; k < NR * D / 2; k += KV_THREADS) {
-      const int r = k / (D / 2), kk = k % (D / 2);
-      const int i = r * D + (kk / len) * 2 * len + (kk % len), j = i + len;
-      const float a = s_o[i], c = s_o[j];
-      s_o[i] = a + c;
-      s_o[j] = a - c;
-    }
-    __syncthreads();
-  }
-  const float inv_w = 1.0f / sqrtf((float)W);
-  for (int i = t; i < NR * D; i += KV_THREADS) {
-    const int r = i / D, d = i % D;
-    const float qr = s_o[i] * inv_w;  // rounded to half as the reference rounds it (half windows)
-    s_q[d * NR + r] = sizeof(WT) == 2 ? __half2float(__float2half_rn(qr)) : qr;
-  }
-
-  float m[NR], l[NR], o[NCH][NR];
-  for (int r = 0; r < NR; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
-  for (int j = 0; j < NCH; ++j) for (int r = 0; r < NR; ++r) o[j][r] = 0.f;
-
-  const int g = t / TPT, sub = t % TPT;      // QK: this thread's token and channel subset
-  const int pc = t % CT, pp = t / CT;        // PV: channel and token partition
-
-  for (int ti = t0; ti < t1; ++ti) {
-    const bool is_rec = ti >= 1 && ti <= nt;
-    const int len = is_rec ? G : (ti == 0 ? sink_len : tail_len);
-    const int base = ti == 0 ? 0 : G;        // window part (tail tiles only; records ignore it)
-    __syncthreads();                         // the previous tile is done with shared memory
-    if (is_rec) {
-      const size_t nh = (size_t)table[b * nb + ti - 1] * H + h;
-      const uint4* gk = reinterpret_cast<const uint4*>(k_codes + nh * KCW);
-      const uint4* gv = reinterpret_cast<const uint4*>(v_codes + nh * VCW);
-      uint4* sk = reinterpret_cast<uint4*>(s_kc);
-      uint4* sv = reinterpret_cast<uint4*>(s_vc);
-#pragma unroll
-      for (int x = 0; x < (KCW / 4 + KV_THREADS - 1) / KV_THREADS; ++x) {
-        const int i = t + x * KV_THREADS;
-        if (i < KCW / 4) sk[i] = gk[i];
-      }
-#pragma unroll
-      for (int x = 0; x < (VCW / 4 + KV_THREADS - 1) / KV_THREADS; ++x) {
-        const int i = t + x * KV_THREADS;
-        if (i < VCW / 4) sv[i] = gv[i];
-      }
-      for (int i = t; i < S * G; i += KV_THREADS) s_kr[i] = kv_f(k_r[nh * S * G + i]);
-      for (int i = t; i < G * S; i += KV_THREADS) {
-        s_va[i] = kv_f(v_alpha[nh * G * S + i]);
-        s_vb[i] = kv_f(v_beta[nh * G * S + i]);
-      }
-      for (int i = t; i < D; i += KV_THREADS) s_cv[i] = kv_f(v_c[nh * D + i]);
-#pragma unroll
-      for (int j = 0; j < (D + KV_THREADS - 1) / KV_THREADS; ++j) {
-        const int d = t + j * KV_THREADS;
-        const int s = (j * KV_THREADS) / W;  // one slice per pass
-        float pq[NR];
-        if (d < D) {
-          const float al = kv_f(k_alpha[nh * D + d]), be = kv_f(k_beta[nh * D + d]);
-          for (int r = 0; r < NR; ++r) {
-            const float qv = s_q[d * NR + r];
-            s_qa[d * NR + r] = qv * al;
-            pq[r] = qv * be;
-          }
-        } else {
-          for (int r = 0; r < NR; ++r) pq[r] = 0.f;
-        }
-        for (int r = 0; r < NR; ++r) {
-          const float v = kv_warp_sum(pq[r]);
-          if (lane == 0) s_qb[(warp * S + s) * NR + r] = v;
-        }
-      }
-    }
-    __syncthreads();
-
-    // ---- scores of this thread's token, all NR heads (log2 domain) ----
-    float x[NR];
-    {
-      float part[NR];
-      for (int r = 0; r < NR; ++r) part[r] = 0.f;
-      if (is_rec) {
-#pragma unroll
-        for (int s = 0; s < S; ++s) {
-          float acc[NR];
-          for (int r = 0; r < NR; ++r) acc[r] = 0.f;
-#pragma unroll 8
-          for (int c = 0; c < W / TPT; ++c) {
-            const int d = s * W + c * TPT + sub;
-            const float code = (float)kv_code<KB>(s_kc + d * KGW, g * KB);
-            float qa[NR];
-            kv_rep<NR>(s_qa + d * NR, qa);
-            for (int r = 0; r < NR; ++r) acc[r] += qa[r] * code;
-          }
-          const float kr = s_kr[s * G + g];
-          for (int r = 0; r < NR; ++r) part[r] += kr * acc[r];
-        }
-      } else if (g < len) {
-        const WT* row = win_k + (((size_t)slot * H + h) * 2 * G + base + g) * D;
-        for (int c = 0; c < D / 8 / TPT; ++c) {
-          const int d0 = (c * TPT + sub) * 8;
-          float kv[8];
-          kv_load8(row + d0, kv);
-          for (int e = 0; e < 8; ++e)
-            for (int r = 0; r < NR; ++r) part[r] += s_q[(d0 + e) * NR + r] * kv[e];
-        }
-      }
-      if (TPT == 2)
-        for (int r = 0; r < NR; ++r) part[r] += __shfl_xor_sync(KV_FULL, part[r], 1);
-      if (is_rec) {
-        for (int s = 0; s < S; ++s) {
-          const float kr = s_kr[s * G + g];
-          for (int r = 0; r < NR; ++r) {
-            const float qb = s_qb[(0 * S + s) * NR + r] + s_qb[(1 * S + s) * NR + r] +
-                             s_qb[(2 * S + s) * NR + r] + s_qb[(3 * S + s) * NR + r];
-            part[r] += kr * qb;
-          }
-        }
-      }
-      const bool valid = g < len;
-      for (int r = 0; r < NR; ++r) x[r] = valid ? part[r] * sl2 : -INFINITY;
-    }
-
-    // ---- online softmax: tile max, rescale, p, sums ----
-    for (int r = 0; r < NR; ++r) {
-      const float v = kv_warp_max(x[r]);
-      if (lane == 0) s_red[warp * RS + r] = v;
-    }
-    __syncthreads();
-    float corr[NR], mu[NR];
-    for (int r = 0; r < NR; ++r) {
-      const float mt = fmaxf(fmaxf(s_red[r], s_red[RS + r]), fmaxf(s_red[2 * RS + r], s_red[3 * RS + r]));
-      const float mn = fmaxf(m[r], mt);
-      corr[r] = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mn);
-      mu[r] = mn == -INFINITY ? 0.f : mn;
-      m[r] = mn;
-    }
-    __syncthreads();                         // s_red is read; it is reused below
-    float p[NR];
-    const float own = sub == 0 ? 1.f : 0.f;  // TPT == 2: both lanes hold the token; count it once
-    for (int r = 0; r < NR; ++r) p[r] = exp2f(x[r] - mu[r]);
-    for (int r = 0; r < NR; ++r) {
-      const float v = kv_warp_sum(p[r] * own);
-      if (lane == 0) s_red[warp * RS + r] = v;
-    }
-    if (is_rec) {
-      for (int s = 0; s < S; ++s)
-        for (int r = 0; r < NR; ++r) {
-          const float v = kv_warp_sum(p[r] * own * s_vb[g * S + s]);
-          if (lane == 0) s_red[warp * RS + NR + s * NR + r] = v;
-        }
-    }
-    if (sub == 0)
-      for (int s = 0; s < S; ++s)
-        for (int r = 0; r < NR; ++r) s_pa[(s * G + g) * NR + r] = is_rec ? p[r] * s_va[g * S + s] : p[r];
-    __syncthreads();
-    for (int r = 0; r < NR; ++r)
-      l[r] = l[r] * corr[r] + (s_red[r] + s_red[RS + r] + s_red[2 * RS + r] + s_red[3 * RS + r]);
-
-    // ---- values: this thread's channels, its token partition ----
-#pragma unroll
-    for (int j = 0; j < NCH; ++j) {
-      const int d = pc + j * CT;
-      const int s = d / W;
-      float acc[NR];
-      for (int r = 0; r < NR; ++r) acc[r] = 0.f;
-      if (is_rec) {
-#pragma unroll 8
-        for (int gi = pp; gi < G; gi += TPC) {
-          const float code = (float)kv_code<VB>(s_vc + gi * VDW, d * VB);
-          float pa[NR];
-          kv_rep<NR>(s_pa + (s * G + gi) * NR, pa);
-          for (int r = 0; r < NR; ++r) acc[r] += pa[r] * code;
-        }
-        const float cv = s_cv[d];
-        for (int r = 0; r < NR; ++r) {
-          const float pb = pp == 0 ? (s_red[NR + s * NR + r] + s_red[RS + NR + s * NR + r] +
-                                      s_red[2 * RS + NR + s * NR + r] + s_red[3 * RS + NR + s * NR + r]) : 0.f;
-          o[j][r] = o[j][r] * corr[r] + cv * (acc[r] + pb);
-        }
-      } else {
-        const WT* col = win_v + (((size_t)slot * H + h) * 2 * G + base) * D + d;
-        for (int gi = pp; gi < len; gi += TPC) {
-          const float v = kv_f(col[(size_t)gi * D]);
-          for (int r = 0; r < NR; ++r) acc[r] += s_pa[gi * NR + r] * v;
-        }
-        for (int r = 0; r < NR; ++r) o[j][r] = o[j][r] * corr[r] + acc[r];
-      }
-    }
-  }
-
-  // ---- this split's partial output: unnormalized o, running max m and sum l ----
-  __syncthreads();
-  if (TPC == 2) {
-    if (pp == 1)
-      for (int j = 0; j < NCH; ++j) for (int r = 0; r < NR; ++r) s_o[r * D + pc + j * CT] = o[j][r];
-    __syncthreads();
-    if (pp == 0)
-      for (int j = 0; j < NCH; ++j) for (int r = 0; r < NR; ++r) o[j][r] += s_o[r * D + pc + j * CT];
-  }
-  if (pp == 0)
-    for (int j = 0; j < NCH; ++j)
-      for (int r = 0; r < NR; ++r) part_o[(((size_t)wi * H + h) * NR + r) * D + pc + j * CT] = o[j][r];
-  if (t == 0)
-    for (int r = 0; r < NR; ++r) {
-      part_ml[(((size_t)wi * H + h) * NR + r) * 2] = m[r];
-      part_ml[(((size_t)wi * H + h) * NR + r) * 2 + 1] = l[r];
-    }
-"""
-
-COMBINE_SOURCE = r"""
-  constexpr int W = D > 128 ? 128 : D;
-  __shared__ float s_v[D];
-  const int d = threadIdx.x, qh = blockIdx.y, b = blockIdx.z, NQ = gridDim.y;
-  const int H = NQ / NR, h = qh / NR, r = qh % NR;
-  const int w0 = row_work[b], w1 = row_work[b + 1];
-  float mx_ = -INFINITY;
-#pragma unroll 8
-  for (int w = w0; w < w1; ++w) mx_ = fmaxf(mx_, part_ml[(((size_t)w * H + h) * NR + r) * 2]);
-  float acc = 0.f, den = 0.f;
-#pragma unroll 8
-  for (int w = w0; w < w1; ++w) {
-    const size_t i = ((size_t)w * H + h) * NR + r;
-    const float mw = part_ml[i * 2];
-    const float e = mw == -INFINITY ? 0.f : exp2f(mw - mx_);
-    acc += e * part_o[i * D + d];
-    den += e * part_ml[i * 2 + 1];
-  }
-  s_v[d] = den > 0.f ? acc / den : 0.f;
-  __syncthreads();
-  for (int len = 1; len < W; len <<= 1) {
-    if (d < D / 2) {
-      const int i = (d / len) * 2 * len + (d % len), j = i + len;
-      const float a = s_v[i], c = s_v[j];
-      s_v[i] = a + c;
-      s_v[j] = a - c;
-    }
-    __syncthreads();
-  }
-  kv_store(out + ((size_t)b * NQ + qh) * D + d, s_v[d] * (1.0f / sqrtf((float)W)));
-"""
+# ---- the tensor-core body (``mma.sync.m16n8k16``, f16 x f16 -> f32): D = 128, key bits 2/4/8 with
+# G * key_bits >= 256, value bits 2/4/8, up to 8 query heads per KV head (``mma_supported``).
+#
+# Fragments come straight from the packed codes. One 32-bit word holds 32/b codes of one channel
+# (keys: consecutive tokens) or one token (values: consecutive channels); ``(w & mask) | 0x6400_6400``
+# turns the codes i and i + 16/b (same bit offset o in the word's two 16-bit halves) into the half2
+# (1024 + 2^o c_i, 1024 + 2^o c_{i+16/b}), and one ``fma.f16x2`` makes it the exact codes (FOLD = 1
+# keeps the 1024 offset and takes it out of the float32 product instead). The two halves belong to
+# two *slots*: for QK, two tokens of one channel; for PV, two channels of one token. The B operand
+# puts each slot's query heads in its own four columns (the other slot's entries zero), so one
+# m16n8k16 computes 16 rows x 2 slots x 4 heads over 8 channels (QK) or 8 tokens (PV):
+#
+#     QK  A[m, 2kk+s] = code[chan kk, token(m, s)]      B[2kk+s, n] = (n/4 == s) q'[chan kk, head n%4]
+#         C[m, n] = sum_c q'[c, head] code[c, token(m, n/4)]              (q' = q * k_alpha)
+#     PV  A[m, 2kk+s] = code[token kk, chan(m, s)]       B[2kk+s, n] = (n/4 == s) p'[token kk, head n%4]
+#         C[m, n] = sum_g p'[g, head] code[g, chan(m, n/4)]               (p' = p * v_alpha)
+#
+# Each lane reads whole words (one per channel and lane for K, b/2 per token and lane for V) from a
+# shared-memory stage filled by ``cp.async`` (16-byte chunks; 8-word groups of a row XOR-swizzled so
+# that the four rows a load instruction touches fall in distinct banks), NST stages deep. The
+# block's 4 warps split each tile's tokens (WG = G*kb/256 warps a tile, TPS = 4/WG tiles a step);
+# every warp keeps its own online-softmax state (m, l, o) and the block merges the four at the end.
+# The float16 sink and tail tiles (if the work item has them) are split across the 4 warps by tokens
+# and run scalar (lane = token for QK; the o layout of the record path for PV).
+#
+# The body comes in two halves, one file each: the setup and the sink/tail tiles (MMA_SETUP), then
+# the record tiles and the merge of the block's four warps, per-split partials or the row's output
+# when it is its only work item (MMA_TILES). MMA_TILES continues MMA_SETUP's scope: its names (lane,
+# g, t, warp, the stage layout constants, the state mrun / lrun / oacc, issue, s_qp, qreg, wscr) are
+# defined there.
+MMA_HEADER = source("cuda", "paged_decode_mma.cuh")
+MMA_SETUP = source("cuda", "paged_decode_mma_setup.cu")
+MMA_TILES = source("cuda", "paged_decode_mma_tiles.cu")
+MMA_SOURCE = MMA_SETUP + MMA_TILES
 
 
 def shared_bytes(head_dim: int, tile_size: int, key_bits: int, value_bits: int, n_rep: int) -> int:
@@ -403,6 +103,26 @@ def shared_bytes(head_dim: int, tile_size: int, key_bits: int, value_bits: int, 
     words = D * G * key_bits // 32 + G * D * value_bits // 32
     floats = 2 * D * NR + S * G + 2 * G * S + D + S * G * NR + 4 * S * NR + 4 * NR * (1 + S) + NR * D
     return 4 * (words + floats)
+
+
+def mma_supported(*, head_dim: int, tile_size: int, key_bits: int, value_bits: int, n_rep: int) -> bool:
+    """Whether the tensor-core body has this shape (one K word per lane and channel: G * kb >= 256)."""
+    return (head_dim == 128 and key_bits in (2, 4, 8) and value_bits in (2, 4, 8) and tile_size in (64, 128)
+            and tile_size * key_bits >= 256 and 1 <= n_rep <= 8)
+
+
+def mma_shared_bytes(*, head_dim: int, tile_size: int, key_bits: int, value_bits: int, n_rep: int,
+                     stages: int) -> int:
+    """Dynamic shared memory of MMA_SOURCE (its layout: stages, q pairs, scratch)."""
+    D, G, NR = head_dim, tile_size, n_rep
+    nrp = 4 * ((NR + 3) // 4)
+    wg = G * key_bits // 256
+    tile = 4 * D * G * key_bits // 32 + 4 * G * D * value_bits // 32 + 6 * D + 6 * G
+    stage = (4 // wg) * tile
+    pbs = G // wg // 2 + 4
+    scrw = max(nrp * pbs, NR * G // 4)
+    scr = max(4 * scrw, NR * D)
+    return stages * stage + 4 * nrp * (D // 2 + 4) + 4 * scr
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from metal import KERNELS
-from metal.cuda.paged_decode import MAX_SHARED, Variant, mma_stages, paged_decode_attention
-from metal.cuda.paged_decode_mma import mma_shared_bytes, mma_supported
+from metal.cuda.paged_decode import MAX_SHARED, Variant, mma_shared_bytes, mma_stages, mma_supported, \
+    paged_decode_attention
 from metal.paged_plan import DecodePlan as KernelPlan
 from metal.paged_plan import RowLengths, make_plan, plan_splits, static_plan, static_splits
 from metal.reference import reference_paged_decode_attention
