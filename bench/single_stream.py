@@ -50,6 +50,10 @@ METRICS = ("short_tps", "cold_ttft_ms", "cold_tps", "hit_ttft_ms", "c16_tps")
 
 
 def server_command(arm: str, f32_model: Path) -> list[str]:
+    """``arm`` may carry extra ``kvarn serve`` flags after a colon: ``kvarn-fp16:--async-scheduling``."""
+    arm, *flags = arm.split(":")
+    if flags:
+        return server_command(arm, f32_model) + flags
     if arm == "kvarn-k4v2":
         return [sys.executable, "-m", "server.cli", "serve", str(MODEL), "--kv-scheme", "kvarn"]
     if arm == "kvarn-fp16":

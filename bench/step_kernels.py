@@ -9,7 +9,9 @@ its ``KVCache``. Where the time of a lone row's step goes: the GPU's kernels, or
 
 Timing mode (no profiler): per arm, ``--warm`` decode steps, then ``--timed`` steps each read back
 (wall, median) and the same number launched back to back with the next step built while the last
-runs (mlx-lm as ``mlx_lm.generate_step`` does; the engine's own loop: ``Engine.step``).
+runs (mlx-lm as ``mlx_lm.generate_step`` does; the engine's own loop: ``Engine.step``, with
+``-async`` arms its ``async_scheduling``), and for the engine's arms the host milliseconds a step
+in each of its phases (``Phases``).
 ``--profile N``: after the warm steps, N steps inside ``cudaProfilerStart/Stop`` (ncu then
 measures those steps' kernels only: ``--profile-from-start off``). ``--summarize CSV``: ncu's
 per-kernel durations grouped by kernel, per step. The model is ``bench/device_engine.py``'s
@@ -35,7 +37,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.device_engine import Recorder, arm_config, build_model, environment, log  # noqa: E402
+from bench.device_engine import Recorder, arm_config, arm_flags, build_model, environment, log  # noqa: E402
 from engine.bench import _prompt  # noqa: E402
 from engine.engine import make_engine  # noqa: E402
 from engine.kv_config import ApcConfig  # noqa: E402
@@ -62,17 +64,49 @@ def cuda_profiler():
     return None
 
 
+class Phases:
+    """Host seconds the engine spends in each phase of its steps (``Engine.step``'s calls, each
+    timed where the engine makes it): ``plan`` (the scheduler), ``dispatch`` (build the step's
+    graphs and launch them), ``collect`` (wait for a step's tokens and read them back),
+    ``update`` (outputs, detokenizing, the prefix cache). With ``-async`` a step's ``collect``
+    waits only for what the device has not finished while the next step was built."""
+
+    NAMES = ("plan", "dispatch", "collect", "update")
+
+    def __init__(self, engine) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        for owner, name in ((engine.scheduler, "plan"), (engine.runner, "dispatch"), (engine.runner, "collect"),
+                            (engine, "update")):
+            setattr(owner, name, self._timed(name, getattr(owner, name)))
+
+    def _timed(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t
+        return timed
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        return {name: round(1e3 * self.seconds[name] / steps, 3) for name in self.NAMES}
+
+
 class EngineArm:
-    """One row of ``depth`` prompt tokens decoding in the engine (its compiled step)."""
+    """One row of ``depth`` prompt tokens decoding in the engine (its compiled step); an arm
+    ending in ``-async`` runs the engine with ``async_scheduling``."""
 
     def __init__(self, loaded, arm: str, depth: int, chunk: int) -> None:
-        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=chunk + 2, prefill_chunk_size=chunk)
-        self.engine = make_engine(loaded, cfg, arm_config(arm), ApcConfig(enabled=False))
+        base, run_ahead, _, _ = arm_flags(arm)
+        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=chunk + 2, prefill_chunk_size=chunk,
+                              async_scheduling=run_ahead)
+        self.engine = make_engine(loaded, cfg, arm_config(base), ApcConfig(enabled=False))
         self.request = Request(RequestId("r"), _prompt(random.Random(3), depth, loaded.vocab_size),
                                SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True))
         self.engine.add_request(self.request)
         while not self.request.output_ids:
             self.engine.step()
+        self.phases = Phases(self.engine)
 
     def step(self) -> None:
         self.engine.step()  # reads the token back (the engine's loop)
@@ -132,6 +166,9 @@ def run_arm(loaded, arm: str, args, profiler) -> dict:
         t = time.perf_counter()
         a.step()
         walls.append(time.perf_counter() - t)
+    phases = getattr(a, "phases", None)
+    if phases is not None:
+        phases.seconds.clear()
     t = time.perf_counter()
     for _ in range(args.timed):
         a.launch()
@@ -140,6 +177,8 @@ def run_arm(loaded, arm: str, args, profiler) -> dict:
     out = {"arm": arm, "depth": args.depth, "prefill_s": round(prefill_s, 3),
            "step_ms_median": round(1e3 * statistics.median(walls), 3), "step_ms_min": round(1e3 * min(walls), 3),
            "step_ms_pipelined": round(1e3 * pipelined, 3)}
+    if phases is not None:  # where the engine's host time went in the back-to-back steps
+        out["host_ms_per_step"] = phases.per_step(args.timed + 1)
     if args.profile:
         mx.synchronize()
         if profiler is not None:
