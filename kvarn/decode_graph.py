@@ -393,10 +393,11 @@ class PagedStepLayer:
         a, G = self.a, self.layout.tile_size
         _, H, _, D = keys.shape
         rows = self.inputs[f"rows{H}"]
-        shape = a.win_k.shape
-        for name, x in (("win_k", keys), ("win_v", values)):
+        shape, n = a.win_k.shape, keys.shape[0]
+        both = rounded(mx.concatenate([keys, values]), a.win_k.dtype)  # one rotation for both: fewer launches a layer
+        for name, x in (("win_k", both[:n]), ("win_v", both[n:])):
             flat = getattr(a, name).reshape(-1, D)
-            flat[rows] = rounded(x, a.win_k.dtype).reshape(-1, D)
+            flat[rows] = x.reshape(-1, D)
             setattr(a, name, flat.reshape(shape))
         if self.records_written:
             tiles = quantize_window_tails(a.win_k, a.win_v, self.inputs["commit_slots"], self.layout)
