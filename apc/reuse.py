@@ -299,8 +299,8 @@ class PrefixReuse:
         if self.layout.max_kv_size is not None:  # a windowed row publishes only what no eviction touched
             complete = min(complete, self.layout.max_kv_size // self.G)
         start = progress.next_block
-        tokens = (request.prompt_ids + request.output_ids)[:computed]
         if complete > start:
+            tokens = (request.prompt_ids + request.output_ids)[:computed]
             progress.keys = self.cache.chain(tokens, request.cache_salt, progress.keys)
             if self.pool_tier is not None:  # the row's own blocks (its sink copied once)
                 row = cache[0].row
@@ -322,7 +322,8 @@ class PrefixReuse:
         if (self.pool_tier is not None and computed == request.num_prompt_tokens and computed % self.G
                 and self.layout.max_kv_size is None and 0 < complete <= len(progress.keys)):
             # the prompt is in: its partial last tile too, so a repeat recomputes only its last token
-            self.pool_tier.insert_tail(progress.keys[complete - 1], cache[0].row, tokens[complete * self.G:])
+            self.pool_tier.insert_tail(progress.keys[complete - 1], cache[0].row,
+                                       request.prompt_ids[complete * self.G: computed])
 
     def _layout_block(self, cache: list[Any], i: int) -> Payload:
         """Block ``i`` of an fp16 / affine row as a payload of copies."""

@@ -85,8 +85,10 @@ def record_shapes(layout: KVLayout, H: int, D: int) -> dict[str, tuple[tuple[int
             "v_beta": ((H, G, S), f16), "v_c": ((H, D), f16)}
 
 
+@functools.lru_cache(maxsize=64)
 def block_nbytes(layout: KVLayout, H: int, D: int) -> int:
-    """Bytes of one record block of one layer."""
+    """Bytes of one record block of one layer (a function of its arguments alone, kept once
+    computed: the metrics and the prefix cache ask at every step)."""
     total = 0
     for dims, dtype in record_shapes(layout, H, D).values():
         size = dtype.size
