@@ -359,9 +359,14 @@ class Engine:
         ``max_tokens`` or the context with ``current``'s token (its next write could pass its
         reservation). A row that does stop on its token (EOS, a stop string) ran one token too
         many on the device; that token is dropped with the row. An abort meanwhile drops the
-        row's result. Anything else (arrivals, prompts, forks) waits for the next ordinary step."""
+        row's result. Anything else (arrivals, prompts, forks) waits for the next ordinary step,
+        and so does the step after one that ran prompt chunks: launching the next step first
+        would hold a new request's first token back by that launch (on the CPU, where MLX's
+        ``async_eval`` returns only once most of the graph has run, by a whole step)."""
         sched = self.scheduler
         if current.failed is not None or sched.waiting or any(sched.forks.values()) or sched.has_freed_rows:
+            return None
+        if current.plan.prefills:  # a prompt's first token goes out now, not after the next step is launched
             return None
         if self.speculator is not None and self.speculator.may_speculate(sched.running):
             return None  # the next step may verify drafts: it is planned after this one is read

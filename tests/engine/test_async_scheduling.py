@@ -95,6 +95,19 @@ def test_async_scheduling_ends_every_request_as_the_ordinary_step(loaded, arm, m
     assert engine.runner.kv_nbytes() == 0 and not engine.runner.rows
 
 
+def test_a_prompts_first_token_is_read_before_the_next_step_is_launched(loaded):
+    """The step that runs a prompt's last chunk returns its first token without launching the
+    next step first (which would hold the token back); the decode steps after it run ahead."""
+    engine = _engine(loaded, "kvarn-k4v2", True)
+    engine.add_request(Request(RequestId("r"), _prompts(loaded, [(200, 8, 0, "greedy")])[0], _params("greedy", 8, 0)))
+    first = []
+    while not first:
+        first = [o for o in engine.step() if o.token_ids]
+        assert engine._ahead is None, "a step was launched ahead of a prompt chunk's step"
+    engine.step()
+    assert engine._ahead is not None, "decode steps no longer run ahead"
+
+
 def test_rows_stopping_on_eos_and_stop_strings_while_a_step_is_in_flight(loaded, monkeypatch):
     """Sampled rows (EOS not ignored) end on EOS or a stop string the step before the engine knew:
     the token the step in flight ran for them is dropped, the others go on unchanged."""
