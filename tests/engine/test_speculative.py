@@ -1,10 +1,10 @@
 """Speculative decoding through the real engine on the bundled model (engine/speculator.py,
 engine/verify.py, engine/acceptance.py): greedy tokens identical with and without speculation
 (fp16 and KVarN k4v2; a batch of rows, windows, n > 1 forks, prefix-cache hits, verifies up to
-a tile's end and drafts rejected near it), seeded sampling identical too, logprobs as without
-speculation; a rejected draft leaves no record and no block; an abort mid-verify frees the row;
-rows that must not speculate do not, a row whose drafts keep failing stops drafting, and adaptive
-draft lengths give the same tokens."""
+a tile's end and drafts rejected near it; KVarN in bfloat16 compute too), seeded sampling
+identical too, logprobs as without speculation; a rejected draft leaves no record and no block;
+an abort mid-verify frees the row; rows that must not speculate do not, a row whose drafts keep
+failing stops drafting, and adaptive draft lengths give the same tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
+from engine.loader import load_model
 from engine.proposers import Ask, Draft
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
@@ -117,6 +118,24 @@ def test_greedy_tokens_equal_decoding_without_speculation(loaded, prompts, basel
         assert counters.verifies < 3 * MAX_TOKENS / 3  # ~4-5 tokens a step, not one
     if proposer == "replay-wrong":
         assert 0 < counters.accepted < counters.proposed
+    assert_pool_empty(engine)
+
+
+@pytest.mark.reference_blas
+def test_greedy_tokens_equal_in_bfloat16_with_kvarn(prompts):
+    """bfloat16 compute, KVarN k4v2: a verifying row attends the same float16 window and records
+    as decoding and rounds its attention output to bfloat16 the same way, so its greedy tokens are
+    decoding's (drafts wrong after two tokens: a rejection at every verify; the long prompt's row
+    commits a tile mid-run). Under MLX's reference BLAS: OpenBLAS sums a product's elements in an
+    order that depends on its row count, and a verify step's attention has T positions a query head
+    (docs/speculative.md, Exactness)."""
+    loaded = load_model(dtype="bfloat16")
+    kv, n = LAYOUTS["kvarn-k4v2"], 128
+    want = [r.output_ids for r in generate(make_engine(loaded, CONFIG, kv, NO_APC), prompts, greedy(n))]
+    engine = make_engine(loaded, CONFIG, kv, NO_APC, SpecConfig(adaptive=False))
+    engine.speculator.proposer = Replay({tuple(p): o for p, o in zip(prompts, want)}, wrong_after=2)
+    assert [r.output_ids for r in generate(engine, prompts, greedy(n))] == want
+    assert engine.runner.graphs.verifies > 0 and 0 < engine.speculator.counters.accepted
     assert_pool_empty(engine)
 
 
