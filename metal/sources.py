@@ -16,13 +16,15 @@ BACKENDS = ("cuda", "msl")
 
 def source(backend: str, name: str) -> str:
     """The text of ``metal/<backend>/src/<name>`` as stored (``backend``: "cuda" or "msl")."""
-    if backend not in BACKENDS:
-        raise ValueError(f"no kernel sources for backend {backend!r}; have {BACKENDS}")
-    return (files("metal") / backend / "src" / name).read_text(encoding="utf-8")
+    return (_folder(backend) / name).read_text(encoding="utf-8")
 
 
 def names(backend: str) -> list[str]:
     """The source files of one backend, sorted."""
+    return sorted(p.name for p in _folder(backend).iterdir() if p.is_file())
+
+
+def _folder(backend: str):  # -> importlib.resources.abc.Traversable
     if backend not in BACKENDS:
         raise ValueError(f"no kernel sources for backend {backend!r}; have {BACKENDS}")
-    return sorted(p.name for p in (files("metal") / backend / "src").iterdir() if p.is_file())
+    return files("metal") / backend / "src"
