@@ -27,7 +27,9 @@ first round's prompts (``--warm-tokens`` each: kernels and verify shapes are bui
 tok/s = generated tokens / wall time of the round (prefill included), median over the rounds; ``x`` =
 median of the paired ratios to the same round's ``off``, with their range; acceptance = accepted /
 drafted tokens over the timed rounds (the engine's speculation counters); ``same`` = requests whose
-tokens equal the recorded greedy ones (a prefix of them where EOS ended the request).
+tokens equal the recorded greedy ones (a prefix of them where EOS ended the request); per round, the
+slowest step and the steps over ``STALL_S`` (``rounds_slowest_step_s``, ``rounds_stalls``: a kernel
+or graph built on first use stops the batch).
 
 ``--time-budget`` seconds from start: a warm pass or round that its estimate says would not end in
 time is not started, and the JSON says what was skipped and why; rounds past the third run only
@@ -77,6 +79,7 @@ ARMS = ("off", "ngram", "oracle", "draft")
 ORACLE_K = 4
 RESERVE_S = 5.0  # kept back from the budget to write the report
 MIN_ROUNDS = 3  # rounds a scenario may run past its share of the time left (not past the budget)
+STALL_S = 0.25  # a step this long is a stall here (an 8B step takes ~10 ms on an H100)
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,8 @@ class RoundResult:
     tokens: int
     wall: float
     same: int  # requests whose tokens equal the recorded greedy ones
+    slowest_step: float = 0.0  # seconds
+    stalls: int = 0  # steps over STALL_S (a kernel or graph built on first use stops the batch)
 
 
 def run_round(engine, prompts: list[list[int]], s: Scenario, max_tokens: int, tag: str,
@@ -177,6 +182,7 @@ def run_round(engine, prompts: list[list[int]], s: Scenario, max_tokens: int, ta
     """``prompts`` through ``engine``, at most ``s.concurrency`` in flight (a finished request's
     place goes to the next at once); tokens generated and wall time, prefill included."""
     queue, live, same, tokens = list(enumerate(prompts)), {}, 0, 0
+    slowest, stalls = 0.0, 0
     steps_left = 4 * len(prompts) * (max_tokens + 8)  # far above what the requests take
     t0 = time.perf_counter()
     while queue or live:
@@ -186,7 +192,11 @@ def run_round(engine, prompts: list[list[int]], s: Scenario, max_tokens: int, ta
                                                                             ignore_eos=s.ignore_eos))
             engine.add_request(request)
             live[request.request_id] = request
-        for out in engine.step():
+        t = time.perf_counter()
+        outs = engine.step()
+        took = time.perf_counter() - t
+        slowest, stalls = max(slowest, took), stalls + (took > STALL_S)
+        for out in outs:
             if out.finish_reason is None or out.request_id not in live:
                 continue
             request = live.pop(out.request_id)
@@ -200,7 +210,7 @@ def run_round(engine, prompts: list[list[int]], s: Scenario, max_tokens: int, ta
             for request_id in live:
                 engine.abort_request(request_id)
             raise RuntimeError(f"{tag}: {len(live)} requests did not finish")
-    return RoundResult(tokens, time.perf_counter() - t0, same)
+    return RoundResult(tokens, time.perf_counter() - t0, same, slowest, stalls)
 
 
 def spec_counts(engine) -> tuple[int, int, int]:
@@ -252,6 +262,7 @@ def run_scenario(engines: dict, s: Scenario, ids: dict[str, list[int]], book: di
         log(f"{s.name} warm {arm}: {r.tokens} tokens in {r.wall:.2f} s")
     before = {arm: spec_counts(engines[arm]) for arm in arms}
     rates: dict[str, list[float]] = {arm: [] for arm in arms}
+    slow: dict[str, list[tuple[float, int]]] = {arm: [] for arm in arms}
     same = {arm: 0 for arm in arms}
     need = 1.2 * sum(per_token.values()) * s.per_round * s.max_tokens
     for r in range(args.rounds):
@@ -267,6 +278,7 @@ def run_scenario(engines: dict, s: Scenario, ids: dict[str, list[int]], book: di
         for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
             res = guarded(arm, run_round, engines[arm], prompts, s, s.max_tokens, f"{arm}-{s.key}-{r}", book)
             rates[arm].append(res.tokens / res.wall)
+            slow[arm].append((round(res.slowest_step, 3), res.stalls))
             same[arm] += res.same
             log(f"{s.name} round {r + 1} {arm}: {res.tokens} tokens in {res.wall:.2f} s = {rates[arm][-1]:.1f} tok/s")
         need = 1.1 * (time.perf_counter() - t0)
@@ -278,6 +290,7 @@ def run_scenario(engines: dict, s: Scenario, ids: dict[str, list[int]], book: di
         drafted, accepted, verifies = (a - b for a, b in zip(spec_counts(engines[arm]), before[arm]))
         row[arm] = {**summarize(rates[arm], rates["off"]), "draft_tokens": drafted, "accepted_tokens": accepted,
                     "verifies": verifies, "acceptance": round(accepted / drafted, 3) if drafted else None,
+                    "rounds_slowest_step_s": [x for x, _ in slow[arm]], "rounds_stalls": [n for _, n in slow[arm]],
                     "same_as_recorded": f"{same[arm]}/{row['rounds'] * s.per_round}"}
     log(f"{s.name}: " + ", ".join(f"{a} {row[a]['tok_s']} tok/s ({row[a]['vs_off']}x, acc {row[a]['acceptance']})"
                                   for a in arms))

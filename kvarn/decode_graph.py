@@ -122,17 +122,18 @@ class PagedStep:
 
 
 def plan_paged(views: Sequence[PagedLayer], heads: Sequence[tuple[int, int] | None], pad: bool = True,
-               counts: Sequence[int] | None = None) -> PagedStep | None:
+               counts: Sequence[int] | None = None) -> PagedStep:
     """The step of rows at these views' offsets (one layer's views; one table serves every layer)
     as arrays, for layers of these (heads, head_dim): windows placed, blocks taken for the tiles
-    that fill, windowed rows' dropped records let go. None where the fused kernel attends and a
-    row writes several tokens (it attends one position a row). ``pad`` False: exact sizes and the
-    rows' windows up to their longest (a step run once, uncompiled)."""
+    that fill, windowed rows' dropped records let go. A step in which rows write several tokens
+    (a verify) attends through ``decode_attention_over`` even where the fused kernel attends one
+    position a row: the same graph, every row's positions as more query rows under the step's
+    mask. ``pad`` False: exact sizes and the rows' windows up to their longest (a step run once,
+    uncompiled)."""
     pool, layout = views[0].row.pool, views[0].layout
-    fused = fused_attention()  # the fused kernel attends: its launch plan is made here, of a fixed size
     counts = list(counts) if counts is not None else [1] * len(views)
-    if fused and max(counts) > 1:
-        return None
+    # the fused kernel attends one position a row: its launch plan is made here, of a fixed size
+    fused = fused_attention() and max(counts) == 1
     if any(n > 1 and (v.row.max_kv_size is not None or v.row.verify_room() < n) for v, n in zip(views, counts)):
         raise ValueError("a row writes several tokens in a decode step only inside its tile, unwindowed")
     place_windows([v.row for v in views])
@@ -228,7 +229,7 @@ def _host_plan(views: Sequence[PagedLayer]) -> tuple[list[int], ...]:
     return write_pos, commits, blocks, sink_len, tail_len, kept
 
 
-def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan | None:
+def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan:
     """The step of ``batches`` (one ``PagedBatch`` per layer, the same rows in each) planned as
     arrays for one graph of every layer (``plan_paged``). ``counts``: the tokens each row writes
     this step (default one each; a row verifying drafts writes its last token and its drafts, all
@@ -237,8 +238,6 @@ def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] |
     pool = views0[0].row.pool
     layers = [b.rows[0].l for b in batches]
     step = plan_paged(views0, [pool.shapes[l] for l in layers], pad, counts)
-    if step is None:
-        return None
     state = [x for l in layers for x in _paged_state(pool.layers[l])]
 
     def finish(arrays: list[mx.array]) -> None:

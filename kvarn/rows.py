@@ -27,7 +27,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from kvarn.attention import fused_attention
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_other
 from kvarn.batch import BatchRows
 from kvarn.decode_graph import DecodePlan, paged_plan
@@ -195,11 +194,10 @@ def plan_decode(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] 
 
 def verifies_in_batch(cache: Sequence[Any]) -> bool:
     """Whether this row's verify (its last token and drafts) can ride in the planned decode batch
-    (``plan_decode`` with counts): every layer a paged KVarN view, unwindowed, where no fused
-    kernel attends; other rows verify in a chunk forward of their own (``engine/verify.py``)."""
+    (``plan_decode`` with counts): every layer a paged KVarN view, unwindowed; other rows verify in
+    a chunk forward of their own (``engine/verify.py``)."""
     row = paged_row(cache)
-    return row is not None and row.max_kv_size is None and all(isinstance(c, PagedLayer) for c in cache) \
-        and not fused_attention()
+    return row is not None and row.max_kv_size is None and all(isinstance(c, PagedLayer) for c in cache)
 
 
 def batchable(cache: Sequence[Any]) -> bool:

@@ -139,6 +139,38 @@ def test_greedy_tokens_equal_in_bfloat16_with_kvarn(prompts):
     assert_pool_empty(engine)
 
 
+def test_kvarn_rows_verify_in_the_decode_batch_where_a_fused_kernel_attends(loaded, prompts, baselines, monkeypatch):
+    """Where a fused decode kernel attends (one position a row: CUDA, Metal), a step in which rows
+    verify drafts is planned without its launch, every row's positions attending through the
+    reference path in the same graph: KVarN rows still verify inside the decode batch, with
+    decoding's greedy tokens. (On this CPU the kernel's verdict is the reference, so a one-token
+    step planned for the kernel falls back to it: the tokens are those of the plain decode step.)"""
+    import engine.model_runner as model_runner
+    import kvarn.decode_graph as decode_graph
+
+    planned: list[tuple[int, int]] = []  # (tokens a row, the kernel's splits) of every planned step
+    plan_paged = decode_graph.plan_paged
+
+    def spy(*args, **kw):
+        step = plan_paged(*args, **kw)
+        planned.append((step.static[7], step.static[8]))
+        return step
+
+    separate: list[int] = []  # rows verified in a chunk forward of their own
+    dispatch_verify = model_runner.dispatch_verify
+    monkeypatch.setattr(decode_graph, "fused_attention", lambda: True)
+    monkeypatch.setattr(decode_graph, "plan_paged", spy)
+    monkeypatch.setattr(model_runner, "dispatch_verify",
+                        lambda runner, drafts, *a: separate.extend(drafts) or dispatch_verify(runner, drafts, *a))
+    engine = make_engine(loaded, CONFIG, LAYOUTS["kvarn-k4v2"], NO_APC, SpecConfig(adaptive=False))
+    engine.speculator.proposer = Replay({tuple(p): o for p, o in zip(prompts, baselines["kvarn-k4v2"])}, wrong_after=1)
+    assert [r.output_ids for r in generate(engine, prompts, greedy())] == baselines["kvarn-k4v2"]
+    assert engine.runner.graphs.verifies > 0 and separate == []  # every verify rode in the decode batch
+    assert {splits > 0 for T, splits in planned if T == 1} == {True}  # one-token steps: the kernel's plan
+    assert {splits for T, splits in planned if T > 1} == {0}  # verify steps: no launch planned
+    assert_pool_empty(engine)
+
+
 def test_greedy_equal_with_kvarn_windows(loaded, prompts):
     """KVarN rows with a 256-token window: the long prompt's row evicts records while verifying."""
     kv = KVConfig("kvarn", 4, 2, max_kv_size=256)
