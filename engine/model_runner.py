@@ -237,6 +237,9 @@ class ModelRunner:
             job = self.grammars.start(_sampling_rows(plan, requests), requests)
             logits: dict[RequestId, mx.array] = {}  # one row of logits per row that samples
             scores: dict[RequestId, PromptArrays] = {}  # prompt tokens scored (prompt_logprobs)
+            for chunk in plan.prefills:  # new rows in the plan's order, the order they join the decode
+                if chunk.request_id not in self.rows:  # batch: windows, handed out lowest first, then sit in it
+                    self._new_row(requests[chunk.request_id], chunk.restore)
             for chunks in self._prefill_groups(plan.prefills, requests):
                 self._prefill(chunks, requests, logits, scores)
             # rows with drafts verify them inside the decode batch where their storage plans it (KVarN

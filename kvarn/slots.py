@@ -109,6 +109,8 @@ class SlotStore:
         window (else the lowest free slot; slots double when all are taken)."""
         if capacity < 1:
             raise ValueError(f"a row needs a positive capacity, not {capacity}")
+        if all(row is None for row in self._rows):  # an idle store: the next batch starts at slot 0
+            self._window_end = 0  # again, where the last one did (its step's graph is specialised on it)
         slot = self._free_slot(start=self._window_end)
         if capacity > self._tokens:
             self._resize(tokens=-(-capacity // self.token_step) * self.token_step)

@@ -256,3 +256,37 @@ def test_rows_coming_and_going_keep_the_batchs_storage_in_place(loaded, arm, mon
     assert len(starts) == graphs.steps > 60
     assert len(set(starts)) == 1, sorted(set(starts))
     assert graphs.traces == len(graphs._uses) <= 8  # each structure traced once: row buckets only
+
+
+@pytest.mark.parametrize("arm", ["fp16", "kvarn-k4v2"])
+def test_a_new_wave_of_requests_runs_the_graphs_the_last_one_traced(loaded, arm, monkeypatch):
+    """Waves of 6 requests added at once, new prompts of the same lengths each wave, different
+    from each other (their chunks are prefilled longest first): each row's storage is taken in
+    the order the rows join the decode batch, and the batch's storage always starts at the same
+    place, so the second and third waves trace nothing new and no KVarN window is moved when a
+    wave starts decoding."""
+    import kvarn.decode_graph as decode_graph
+
+    engine = _engine(loaded, arm, "compiled", monkeypatch, apc=False)
+    moved: list[int] = []
+    place = decode_graph.place_windows
+
+    def spy(rows):
+        before = [r.slot for r in rows]
+        place(rows)
+        moved.append(sum(a != r.slot for a, r in zip(before, rows)))
+
+    monkeypatch.setattr(decode_graph, "place_windows", spy)
+    rng = random.Random(9)
+    traces = []
+    for wave in range(3):
+        first = len(moved)
+        for i, n in enumerate((9, 57, 4, 33, 21, 46)):
+            engine.add_request(Request(RequestId(f"{wave}-{i}"), [rng.randrange(16, 8000) for _ in range(n)],
+                                       SamplingParams(max_tokens=20 + 3 * i, temperature=0.0, ignore_eos=True)))
+        while engine.has_work():
+            engine.step()
+        traces.append(engine.runner.graphs.traces)
+        if arm == "kvarn-k4v2":
+            assert moved[first] == 0  # the wave's first decode step: every row already in place
+    assert traces[0] > 0 and traces[2] == traces[1] == traces[0]
