@@ -139,14 +139,25 @@ def test_greedy_tokens_equal_in_bfloat16_with_kvarn(prompts):
     assert_pool_empty(engine)
 
 
-def test_kvarn_rows_verify_in_the_decode_batch_where_a_fused_kernel_attends(loaded, prompts, baselines, monkeypatch):
+@pytest.mark.parametrize("records", ["codes", "dequantized"])
+def test_kvarn_rows_verify_in_the_decode_batch_where_a_fused_kernel_attends(loaded, prompts, baselines, records,
+                                                                             monkeypatch):
     """Where a fused decode kernel attends (one position a row: CUDA, Metal), a step in which rows
     verify drafts is planned without its launch, every row's positions attending through the
     reference path in the same graph: KVarN rows still verify inside the decode batch, with
     decoding's greedy tokens. (On this CPU the kernel's verdict is the reference, so a one-token
-    step planned for the kernel falls back to it: the tokens are those of the plain decode step.)"""
+    step planned for the kernel falls back to it: the tokens are those of the plain decode step.)
+    ``dequantized``: the reference path CUDA takes (records gathered and dequantized, one SDPA
+    over every row's positions), against decoding through it."""
     import engine.model_runner as model_runner
+    import kvarn.attention as attention
     import kvarn.decode_graph as decode_graph
+
+    want = baselines["kvarn-k4v2"]
+    if records == "dequantized":
+        monkeypatch.setattr(attention, "reads_codes_directly", lambda: False)
+        want = [r.output_ids for r in generate(make_engine(loaded, CONFIG, LAYOUTS["kvarn-k4v2"], NO_APC), prompts,
+                                               greedy())]
 
     planned: list[tuple[int, int]] = []  # (tokens a row, the kernel's splits) of every planned step
     plan_paged = decode_graph.plan_paged
@@ -163,8 +174,8 @@ def test_kvarn_rows_verify_in_the_decode_batch_where_a_fused_kernel_attends(load
     monkeypatch.setattr(model_runner, "dispatch_verify",
                         lambda runner, drafts, *a: separate.extend(drafts) or dispatch_verify(runner, drafts, *a))
     engine = make_engine(loaded, CONFIG, LAYOUTS["kvarn-k4v2"], NO_APC, SpecConfig(adaptive=False))
-    engine.speculator.proposer = Replay({tuple(p): o for p, o in zip(prompts, baselines["kvarn-k4v2"])}, wrong_after=1)
-    assert [r.output_ids for r in generate(engine, prompts, greedy())] == baselines["kvarn-k4v2"]
+    engine.speculator.proposer = Replay({tuple(p): o for p, o in zip(prompts, want)}, wrong_after=1)
+    assert [r.output_ids for r in generate(engine, prompts, greedy())] == want
     assert engine.runner.graphs.verifies > 0 and separate == []  # every verify rode in the decode batch
     assert {splits > 0 for T, splits in planned if T == 1} == {True}  # one-token steps: the kernel's plan
     assert {splits for T, splits in planned if T > 1} == {0}  # verify steps: no launch planned
