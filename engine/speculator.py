@@ -277,7 +277,7 @@ class Speculator:
               room: Callable[[RequestId], int]) -> list[Ask]:
         """The rows that may draft this step, each with the most tokens it may verify; with
         ``adaptive``, only rows whose best estimate could pay for a one-token draft."""
-        budget, rows, sizes = self.max_step_tokens - plan.num_tokens, len(plan.decodes), self._sizes()
+        budget, rows, sizes = self.max_step_tokens - plan.num_tokens, len(plan.decodes), self.draft_sizes()
         proposing = self.costs.proposing_ratio(rows)
         asks = []
         for request_id in plan.decodes:
@@ -299,7 +299,7 @@ class Speculator:
     def _worth_it(self, drafts: dict[RequestId, Draft], rows: int) -> dict[RequestId, Draft]:
         """The drafts cut to the step's length (``choose_length``), each to a size of
         ``DRAFT_SIZES`` (the verify's shape is one of few); none where drafting does not pay."""
-        sizes = self._sizes()
+        sizes = self.draft_sizes()
         lengths = {i: max(n for n in sizes if n <= len(d.tokens)) for i, d in drafts.items()}
         rates = [self.acceptance.rate(self.acceptance.row(i, self.steps), bucket_of(d)) for i, d in drafts.items()]
         size = choose_length(rates, list(lengths.values()), rows, self.costs, sizes)
@@ -312,7 +312,7 @@ class Speculator:
             out[request_id] = Draft(draft.tokens[:n], probs, draft.match)
         return out
 
-    def _sizes(self) -> tuple[int, ...]:
+    def draft_sizes(self) -> tuple[int, ...]:
         return tuple(n for n in DRAFT_SIZES if n < self.config.num_tokens) + (self.config.num_tokens,)
 
     def _eligible(self, request: Request) -> bool:

@@ -11,6 +11,10 @@ engine's own scheduler and kernels:
   across a tile boundary, so several rows commit a tile in one decode step;
 * meanwhile one longer request (a full prompt chunk and a continuation chunk) prefills beside
   them: chunks of a prompt with history, mixed with decode rows;
+* with speculative decoding on, one row, then 2 and 4 rows verify drafts of every length
+  the speculator may choose (random tokens, so mostly rejected: every verify shape is built,
+  and rejections trimmed); the speculator is left as it was (no evidence, no measured cost, no
+  count);
 * then everything is aborted. The prefix cache is paused for the duration (nothing is
   looked up, cached, counted or written to disk), and the block pool gets every block back.
 
@@ -24,6 +28,8 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,8 +89,12 @@ def warm_up(engine: Any, rows: int = 2, seed: int = 0) -> WarmUpReport:
         return WarmUpReport(False, reason="a warm-up request does not fit the KV budget")
     report = WarmUpReport(True)
     start = time.perf_counter()
-    with engine.prefix_cache_paused():
+    with engine.prefix_cache_paused(), _speculator_set_aside(engine.speculator):
         _run(engine, shorts, long, report)
+        if report.ran and engine.speculator is not None:
+            for n in (1, 2, 4):  # a lone row's verify shapes, then batches' (up to the speculator's widest)
+                if n <= min(engine.speculator.config.max_batch, config.max_num_seqs) and report.ran:
+                    _verify(engine, [request(f"v{n}-{i}", short_len, 2 * G) for i in range(n)], rng, vocab, report)
     report.seconds = time.perf_counter() - start
     report.slowest_step_s = max(report.step_seconds, default=0.0)
     return report
@@ -113,6 +123,84 @@ def _run(engine: Any, shorts: list[Request], long: Request, report: WarmUpReport
             if r.request_id in engine.requests:
                 engine.abort_request(r.request_id)
         for _ in range(8):  # the aborts settle
+            if not engine.has_work():
+                break
+            engine.step()
+
+
+@contextmanager
+def _speculator_set_aside(spec: Any) -> Iterator[None]:
+    """The speculator (if any) learns nothing from the warm-up: its evidence, measured step costs
+    and counts are fresh ones for the duration, its own put back after."""
+    if spec is None:
+        yield
+        return
+    from engine.speculator import Acceptance, SpecCounters, StepCosts
+
+    saved = spec.acceptance, spec.costs, spec.counters
+    spec.acceptance, spec.costs, spec.counters = Acceptance(), StepCosts(), SpecCounters()
+    try:
+        yield
+    finally:
+        spec.acceptance, spec.costs, spec.counters = saved
+
+
+class _Drafts:
+    """A warm-up proposer: random drafts, of the speculator's sizes in turn (one a step)."""
+
+    name = "warm-up"
+
+    def __init__(self, sizes: tuple[int, ...], rng: random.Random, vocab: int) -> None:
+        self.sizes, self.rng, self.vocab, self.steps = sizes, rng, vocab, 0
+
+    def propose(self, asks: Any) -> dict[RequestId, Any]:
+        from engine.proposers import Draft
+
+        n = self.sizes[self.steps % len(self.sizes)]
+        self.steps += 1
+        return {a.request.request_id: Draft(tuple(self.rng.randrange(self.vocab) for _ in range(min(n, a.k))))
+                for a in asks}
+
+    def feedback(self, request_id: RequestId, num_accepted: int) -> None:
+        pass
+
+    def forget(self, request_id: RequestId) -> None:
+        pass
+
+
+def _verify(engine: Any, group: list[Request], rng: random.Random, vocab: int, report: WarmUpReport) -> None:
+    """``group`` prefills, then verifies a draft of each of the speculator's sizes (``_Drafts``,
+    every proposal verified whole); the speculator's proposer, rule and learned state are put
+    back after, and every request is gone."""
+    from dataclasses import replace
+
+    spec = engine.speculator
+    saved = spec.proposer, spec.config
+    sizes = spec.draft_sizes()
+    spec.config = replace(spec.config, adaptive=False)
+    spec.proposer = drafts = _Drafts(sizes, rng, vocab)
+    verifies = spec.counters.verifies
+    try:
+        for r in group:
+            engine.add_request(r)
+        for _ in range(4 * len(sizes) + 32):  # a bound: the group prefills, then verifies each size once
+            if not engine.has_work() or spec.counters.verifies - verifies >= len(sizes) * len(group):
+                break
+            if not all(r.output_ids for r in group):
+                drafts.steps = 0  # drafts only once every row decodes
+            t = time.perf_counter()
+            engine.step()
+            report.step_seconds.append(time.perf_counter() - t)
+            report.steps += 1
+    except Exception as exc:  # noqa: BLE001 (a warm-up must never stop the server; requests will show any real fault)
+        logger.warning("warm-up verify failed (%s); serving without it", exc, exc_info=True)
+        report.ran, report.reason = False, f"failed: {exc}"
+    finally:
+        spec.proposer, spec.config = saved
+        for r in group:
+            if r.request_id in engine.requests:
+                engine.abort_request(r.request_id)
+        for _ in range(8):
             if not engine.has_work():
                 break
             engine.step()

@@ -52,6 +52,32 @@ def test_warm_up_runs_every_kind_of_step_and_leaves_the_engine_as_it_was(loaded,
     assert greedy(engine, prompt) == greedy(fresh, prompt)
 
 
+def test_warm_up_verifies_every_draft_length_and_leaves_the_speculator_as_it_was(loaded):
+    """With speculative decoding on, one row, then 2 and 4, verify drafts of each length the
+    speculator may choose (KVarN rows inside the decode batch: each verify shape built before
+    serving); afterwards the speculator has its own proposer, rule, evidence and counts back."""
+    from engine.speculator import SpecConfig
+
+    engine = make_engine(loaded, CONFIG, KVConfig("kvarn", 4, 2), ApcConfig(enabled=False), SpecConfig())
+    spec = engine.speculator
+    proposer, config = spec.proposer, spec.config
+    shapes = []
+    logits = engine.runner.graphs.logits
+    engine.runner.graphs.logits = lambda tokens, caches, counts=None: (
+        shapes.append((len(counts), max(counts))) if counts else None, logits(tokens, caches, counts))[1]
+    report = warm_up(engine, rows=2)
+    assert report.ran
+    assert {T for _, T in shapes} == {1 + n for n in spec.draft_sizes()}  # every verify length
+    assert {B for B, _ in shapes} == {1, 2, 4}
+    assert spec.proposer is proposer and spec.config is config
+    assert spec.counters.verifies == spec.counters.proposed == 0 and not spec.acceptance.rows
+    assert not engine.has_work() and engine.runner.store.pool.records.num_held == 0
+    engine.runner.graphs.logits = logits
+    fresh = make_engine(loaded, CONFIG, KVConfig("kvarn", 4, 2), ApcConfig(enabled=False), SpecConfig())
+    prompt = list(range(5, 300))
+    assert greedy(engine, prompt) == greedy(fresh, prompt)
+
+
 def test_warm_up_is_skipped_where_its_requests_do_not_fit(loaded):
     sizer = make_engine(loaded, CONFIG, KVConfig("fp16"), ApcConfig(enabled=False))
     budget = sizer.cost_alone(40, 2) + 1  # a short request fits; the warm-up's longest (chunk + G + 3) does not
