@@ -111,21 +111,34 @@ def _run(engine: Any, shorts: list[Request], long: Request, report: WarmUpReport
             if not long_added and all(r.output_ids for r in shorts):  # the short rows decode: start the long prompt
                 engine.add_request(long)
                 long_added = True
-            t = time.perf_counter()
-            engine.step()
-            report.step_seconds.append(time.perf_counter() - t)
-            report.steps += 1
+            _timed_step(engine, report)
     except Exception as exc:  # noqa: BLE001 (a warm-up must never stop the server; requests will show any real fault)
-        logger.warning("warm-up failed (%s); serving without it", exc, exc_info=True)
-        report.ran, report.reason = False, f"failed: {exc}"
+        _failed(report, exc)
     finally:
-        for r in group:
-            if r.request_id in engine.requests:
-                engine.abort_request(r.request_id)
-        for _ in range(8):  # the aborts settle
-            if not engine.has_work():
-                break
-            engine.step()
+        _abort(engine, group)
+
+
+def _timed_step(engine: Any, report: WarmUpReport) -> None:
+    t = time.perf_counter()
+    engine.step()
+    report.step_seconds.append(time.perf_counter() - t)
+    report.steps += 1
+
+
+def _failed(report: WarmUpReport, exc: Exception) -> None:
+    logger.warning("warm-up failed (%s); serving without it", exc, exc_info=True)
+    report.ran, report.reason = False, f"failed: {exc}"
+
+
+def _abort(engine: Any, group: list[Request]) -> None:
+    """Every request of ``group`` still in the engine aborted, and the aborts settled."""
+    for r in group:
+        if r.request_id in engine.requests:
+            engine.abort_request(r.request_id)
+    for _ in range(8):
+        if not engine.has_work():
+            break
+        engine.step()
 
 
 @contextmanager
@@ -188,19 +201,9 @@ def _verify(engine: Any, group: list[Request], rng: random.Random, vocab: int, r
                 break
             if not all(r.output_ids for r in group):
                 drafts.steps = 0  # drafts only once every row decodes
-            t = time.perf_counter()
-            engine.step()
-            report.step_seconds.append(time.perf_counter() - t)
-            report.steps += 1
+            _timed_step(engine, report)
     except Exception as exc:  # noqa: BLE001 (a warm-up must never stop the server; requests will show any real fault)
-        logger.warning("warm-up verify failed (%s); serving without it", exc, exc_info=True)
-        report.ran, report.reason = False, f"failed: {exc}"
+        _failed(report, exc)
     finally:
         spec.proposer, spec.config = saved
-        for r in group:
-            if r.request_id in engine.requests:
-                engine.abort_request(r.request_id)
-        for _ in range(8):
-            if not engine.has_work():
-                break
-            engine.step()
+        _abort(engine, group)
