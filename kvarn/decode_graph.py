@@ -17,8 +17,7 @@ step splits into three parts:
 Everything that varies from step to step is an input array; what the graph is specialised on
 is the plan's ``static`` part: rows padded to a bucket (1, 2, 4, 8, ...), block tables padded to
 a width bucket, the number of commits padded to a bucket, where the batch's windows or slots
-start, how much of the windows the attention reads (a multiple of G / 2 where no fused kernel
-attends: rows short of a tile read no tail), the storage's shapes. So one compiled graph serves every step of the same bucket
+start, the storage's shapes. So one compiled graph serves every step of the same bucket
 (``engine/model_runner.py: DecodeGraphs`` keeps them). Padding rows decode token 0 at position 0, write to
 the pool's reserved pad window (id 0; slots: the last position of a free slot after the batch's,
 or no padding where none is free) and attend one valid position; a padding
@@ -60,11 +59,6 @@ COMMIT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 def bucket(n: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket >= n (None: past the largest)."""
     return next((b for b in buckets if b >= n), None)
-
-
-def WINDOW_STEP(G: int) -> int:  # noqa: N802 (a constant of the tile size)
-    """The granularity of the window length a graph reads (``plan_paged``)."""
-    return G // 2
 
 
 def table_bucket(nb: int) -> int:
@@ -156,12 +150,8 @@ def plan_paged(views: Sequence[PagedLayer], heads: Sequence[tuple[int, int] | No
     nbp = table_bucket(nb) if pad else nb
     C = len(commits)
     Cp = (bucket(C, COMMIT_BUCKETS) or C) if pad else C
-    # the windows' first W tokens are read: up to the longest row's last valid one; in a graph rounded
-    # up to a multiple of G / 2 (rows short of a tile read no tail, nor the rest of their sink), or the
-    # whole window where the kernel attends or rows verify (the fused kernel reads what it needs itself)
-    W = max(G + t if t else s for s, t in zip(sink_len, tail_len))
-    if pad:
-        W = 2 * G if fused or T > 1 else min(2 * G, -(-W // WINDOW_STEP(G)) * WINDOW_STEP(G))
+    # the windows' first W tokens are read: 2G in a graph, else up to the longest row's last valid one
+    W = 2 * G if pad or T > 1 else max(G + t if t else s for s, t in zip(sink_len, tail_len))
     i32 = mx.int32
     extra = Bp - B
     counts += [1] * extra
