@@ -34,9 +34,11 @@ past ``capacity``; MLX traces each again only when an input's shape changes (the
 A step whose rows exceed the largest bucket runs the same function uncompiled (same results), as
 does every step with ``compile=False`` (``--enforce-eager``).
 
-A structure is compiled once it recurs: an ordinary step at its first use (tracing one costs
-0.04-0.3 s on a CPU, and it is replayed at every step of its bucket), a step that commits KVarN
-tiles only after ``commit_after`` uses. A commit graph holds the quantizer (~200 operations a
+A structure is compiled once it recurs: an ordinary step after ``compile_after`` uses (on a GPU
+at its first: the warm-up takes the common ones before serving; on the CPU at its third, where
+tracing one costs 0.04-0.3 s, 10-20 steps, and an uncompiled step ~1.1x a compiled one: a batch
+ramping up through its row buckets, a step each, traced 11 graphs for a wave of 16 chats), a step
+that commits KVarN tiles only after ``commit_after`` uses. A commit graph holds the quantizer (~200 operations a
 layer): tracing and compiling one took 1.7-3.5 s here, and at one user's pace a given commit
 structure (rows, table width, tiles) comes back a few times per context, so it runs uncompiled;
 on a busy server every step commits someone's tile and the same structures recur constantly. Where
@@ -183,7 +185,9 @@ class ModelRunner:
         self.store = store if store is not None else RowStore(loaded.model, layout)
         self.rows: dict[RequestId, Row] = {}
         self.batch = DecodeBatch()
-        self.graphs = DecodeGraphs(loaded.model, compile=compile_decode)  # the decode forward, compiled by bucket
+        # the decode forward, compiled by bucket; on the CPU a structure at its third use (a trace costs 10-20 steps)
+        self.graphs = DecodeGraphs(loaded.model, compile=compile_decode,
+                                   compile_after=2 if mx.default_device() == mx.cpu else 0)
         self.grammars = RowGrammars(loaded.vocab_size)  # matchers of constrained rows
 
     def kv_nbytes(self) -> int:
@@ -546,11 +550,13 @@ class DecodeGraphs:
     in Python (a graph traced: a new structure or a new input shape; or a step run uncompiled),
     ``steps`` every step run here, ``eager`` those run uncompiled."""
 
-    def __init__(self, model: Any, compile: bool = True, capacity: int = 32, commit_after: int = 64) -> None:
+    def __init__(self, model: Any, compile: bool = True, capacity: int = 32, commit_after: int = 64,
+                 compile_after: int = 0) -> None:
         self.model = model
         self.compile = compile
         self.capacity = capacity
         self.commit_after = commit_after
+        self.compile_after = compile_after
         self._graphs: OrderedDict[tuple, Callable[..., Any]] = OrderedDict()
         self._uses: Counter[tuple] = Counter()  # steps run per structure (commit structures: before compiling)
         self.traces = 0
@@ -576,9 +582,8 @@ class DecodeGraphs:
         if key not in self._uses and len(self._uses) > 8 * self.capacity:  # forget structures long unused
             self._uses = Counter({k: n for k, n in self._uses.items() if k in self._graphs})
         self._uses[key] += 1
-        compiled = self.compile and plan.padded <= ROW_BUCKETS[-1] and \
-            (key in self._graphs or not plan.commits or self._uses[key] > self.commit_after
-             or KERNELS.decided_commit_path() in FUSED)
+        after = self.commit_after if plan.commits and KERNELS.decided_commit_path() not in FUSED else self.compile_after
+        compiled = self.compile and plan.padded <= ROW_BUCKETS[-1] and (key in self._graphs or self._uses[key] > after)
         fn = self._graph(key, plan) if compiled else self._step(plan.build, plan.static)
         self.steps += 1
         self.eager += not compiled
