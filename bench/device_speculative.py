@@ -73,7 +73,7 @@ from engine.engine import make_engine  # noqa: E402
 from engine.loader import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 from engine.request import Request, RequestId, SamplingParams  # noqa: E402
 from engine.warm_up import on_gpu, warm_up  # noqa: E402
-from server.cli import _server_config, build_parser  # noqa: E402
+from server.cli import server_config, build_parser  # noqa: E402
 
 ARMS = ("off", "ngram", "oracle", "draft")
 ORACLE_K = 4
@@ -132,7 +132,7 @@ def serve_flags(arm: str, layout: str, draft_dir: Path | None) -> list[str]:
 
 def engine_config(flags: list[str]):  # -> engine.EngineConfig
     """The engine settings ``kvarn serve FLAGS`` would run with (server/cli.py)."""
-    return _server_config(build_parser().parse_args(flags)).engine
+    return server_config(build_parser().parse_args(flags)).engine
 
 
 def make_arm(loaded, arm: str, flags: list[str], book: list[dict] | None) -> tuple[Any, dict]:

@@ -311,7 +311,7 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
     return ApcConfig(memory_bytes=args.apc_memory_bytes, disk_dir=disk_dir, disk_bytes=args.apc_disk_bytes)
 
 
-def _server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
+def server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
     from engine import EngineConfig, SchedulerConfig
     from server.config import ServerConfig
 
@@ -345,7 +345,7 @@ def _serve(args: argparse.Namespace, adjust: Callable[[Any], Any] | None = None)
 
     if args.drain_timeout < 0:
         raise SystemExit("kvarn serve: --drain-timeout must be >= 0")
-    config = _server_config(args)
+    config = server_config(args)
     if adjust is not None:
         config = adjust(config)
     try:

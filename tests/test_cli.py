@@ -44,14 +44,14 @@ def test_kv_events_layout_reaches_the_publisher_config():
 
 
 def test_kv_events_travel_with_the_prefix_cache_settings():
-    from server.cli import _server_config
+    from server.cli import server_config
 
     args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://127.0.0.1:5557",
                                       "--kv-events-block-size", "32", "--apc-memory-bytes", "1MiB"])
-    apc = _server_config(args).engine.apc
+    apc = server_config(args).engine.apc
     assert (apc.enabled, apc.memory_bytes, apc.kv_events.endpoint, apc.kv_events.block_size) == (
         True, 2**20, "tcp://127.0.0.1:5557", 32)
-    assert _server_config(build_parser().parse_args(["serve"])).engine.apc.kv_events is None
+    assert server_config(build_parser().parse_args(["serve"])).engine.apc.kv_events is None
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -66,9 +66,9 @@ def test_kv_events_refused_at_start_up_with_a_message(flags, message):
 
 def test_an_empty_kv_events_endpoint_is_refused():
     with pytest.raises(SystemExit, match="kvarn serve: the KV events endpoint must name a ZMQ endpoint"):
-        from server.cli import _server_config
+        from server.cli import server_config
 
-        _server_config(build_parser().parse_args(["serve", "--kv-events-endpoint", ""]))
+        server_config(build_parser().parse_args(["serve", "--kv-events-endpoint", ""]))
 
 
 def test_run_streams_greedy_answer():

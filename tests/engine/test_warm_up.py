@@ -9,7 +9,7 @@ from engine.kv_config import ApcConfig, KVConfig
 from engine.request import Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.warm_up import warm_up
-from server.cli import _server_config, build_parser
+from server.cli import server_config, build_parser
 
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=128)
 
@@ -90,6 +90,6 @@ def test_warm_up_is_skipped_where_its_requests_do_not_fit(loaded):
 
 
 def test_kvarn_serve_warm_up_flag():
-    config = lambda *flags: _server_config(build_parser().parse_args(["serve", *flags])).engine  # noqa: E731
+    config = lambda *flags: server_config(build_parser().parse_args(["serve", *flags])).engine  # noqa: E731
     assert config().warm_up is None and EngineConfig().warm_up is None  # auto: on where MLX runs on a GPU
     assert config("--warm-up", "on").warm_up is True and config("--warm-up", "off").warm_up is False

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from server.cli import _server_config, build_parser
+from server.cli import server_config, build_parser
 from server.errors import error_response
 from tests.server.conftest import API_KEY, MODEL_ID, Server, client_of, post_json, served
 from tests.think_model import make_think_model
@@ -292,8 +292,8 @@ def billed(client: anthropic.Anthropic, nonce: str, tag: str, count: bool = Fals
 
 def test_the_billing_flag() -> None:
     parse = build_parser().parse_args
-    assert _server_config(parse(["serve", "--keep-billing-header"])).keep_billing_header is True
-    assert _server_config(parse(["serve"])).keep_billing_header is False
+    assert server_config(parse(["serve", "--keep-billing-header"])).keep_billing_header is True
+    assert server_config(parse(["serve"])).keep_billing_header is False
 
 
 def test_the_billing_line_is_dropped(claude: anthropic.Anthropic, keeping: Server) -> None:

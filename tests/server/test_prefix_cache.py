@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 
 from engine import ApcConfig, EngineNotReady, FinishReason, ModelInfo, RequestOutput
 from server.app import create_app
-from server.cli import _apc_config, _server_config, build_parser
+from server.cli import _apc_config, server_config, build_parser
 from server.config import ServerConfig
 from server.metrics import Metrics
 from tests.server.conftest import API_KEY, MODEL_ID, Server, chatml, client_of, metric, post_json, served, \
@@ -485,7 +485,7 @@ def _serve_args(*flags: str) -> Any:
 def test_apc_defaults() -> None:
     assert _apc_config(_serve_args()) == ApcConfig()
     assert ApcConfig() == ApcConfig(enabled=True, memory_bytes=None, disk_dir=None, disk_bytes=4 * 2**30)
-    assert _server_config(_serve_args()).engine.apc == ApcConfig()
+    assert server_config(_serve_args()).engine.apc == ApcConfig()
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -499,9 +499,9 @@ def test_apc_defaults() -> None:
 ])
 def test_apc_flags(flags: list[str], expected: ApcConfig) -> None:
     assert _apc_config(_serve_args(*flags)) == expected
-    config = _server_config(_serve_args(*flags))
+    config = server_config(_serve_args(*flags))
     assert config.engine.apc == expected
-    assert config.engine.kv == _server_config(_serve_args()).engine.kv  # nothing else moves
+    assert config.engine.kv == server_config(_serve_args()).engine.kv  # nothing else moves
 
 
 def test_apc_disk_dir_expands_the_home_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -518,7 +518,7 @@ def test_apc_disk_dir_expands_the_home_folder(monkeypatch: pytest.MonkeyPatch, t
 ])
 def test_contradictory_apc_flags_are_refused(flags: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        _server_config(_serve_args(*flags))
+        server_config(_serve_args(*flags))
     assert message in str(exit_info.value.code)
 
 
