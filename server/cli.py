@@ -312,6 +312,8 @@ def _apc_config(args: argparse.Namespace):  # -> engine.ApcConfig (imported afte
 
 
 def server_config(args: argparse.Namespace):  # -> server.config.ServerConfig
+    """The server's and its engine's configuration from ``kvarn serve``'s parsed flags
+    (``SystemExit`` with a message for flags that cannot run together)."""
     from engine import EngineConfig, SchedulerConfig
     from server.config import ServerConfig
 
