@@ -330,7 +330,7 @@ class ModelRunner:
         hands its logits to every choice that samples (not to a ``max_tokens`` 0 request); a
         request with ``prompt_logprobs`` (always alone) has the chunk's prompt tokens scored from
         every position's logits."""
-        rows = [self.rows.get(c.request_id) or self._new_row(requests[c.request_id], c.restore) for c in chunks]
+        rows = [self.rows[c.request_id] for c in chunks]  # new ones made by ``dispatch``, in the plan's order
         lengths = [chunk.num_tokens for chunk in chunks]
         T = max(lengths)
         tokens = mx.array([list(requests[c.request_id].prompt_ids[c.start_idx: c.end_idx]) + [0] * (T - n)

@@ -30,10 +30,12 @@ import random
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.proposers import Draft
 from engine.request import Request, RequestId, SamplingParams
+from engine.speculator import Acceptance, SpecCounters, StepCosts
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +150,6 @@ def _speculator_set_aside(spec: Any) -> Iterator[None]:
     if spec is None:
         yield
         return
-    from engine.speculator import Acceptance, SpecCounters, StepCosts
-
     saved = spec.acceptance, spec.costs, spec.counters
     spec.acceptance, spec.costs, spec.counters = Acceptance(), StepCosts(), SpecCounters()
     try:
@@ -167,8 +167,6 @@ class _Drafts:
         self.sizes, self.rng, self.vocab, self.steps = sizes, rng, vocab, 0
 
     def propose(self, asks: Any) -> dict[RequestId, Any]:
-        from engine.proposers import Draft
-
         n = self.sizes[self.steps % len(self.sizes)]
         self.steps += 1
         return {a.request.request_id: Draft(tuple(self.rng.randrange(self.vocab) for _ in range(min(n, a.k))))
@@ -185,8 +183,6 @@ def _verify(engine: Any, group: list[Request], rng: random.Random, vocab: int, r
     """``group`` prefills, then verifies a draft of each of the speculator's sizes (``_Drafts``,
     every proposal verified whole); the speculator's proposer, rule and learned state are put
     back after, and every request is gone."""
-    from dataclasses import replace
-
     spec = engine.speculator
     saved = spec.proposer, spec.config
     sizes = spec.draft_sizes()
