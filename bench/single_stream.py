@@ -11,6 +11,11 @@ warm-up request, gets (streamed chat completions, greedy, the same seeded prompt
 * ``hit``: the same prompt again (the prefix cache's hit): its TTFT;
 * ``c16``: 16 distinct short chats at once: aggregate tok/s = completion tokens / wall time.
 
+Every answer runs to ``--max-tokens`` (``logit_bias`` -100 on the model's end tokens, which both
+servers honour): the arms' answers differ (KVarN's keys and values are not fp16's), and with EOS
+honoured one server's c = 16 wall time would be its longest answer's and its decode at depth a
+10-token answer's. ``--natural-length`` leaves EOS alone.
+
 Medians over the rounds per arm, ratios against mlx_lm.server. Writes ``--json-out`` and prints a
 markdown table. mlx_lm.server runs on a float32 copy of the bundled model (``kvarn serve``
 computes in float32 on the CPU; made with ``mlx_lm convert -d --dtype float32`` if missing), with
@@ -117,10 +122,22 @@ def long_prompt(rng: random.Random, tokenizer: Tokenizer, target: int) -> str:
     return "Continue this list of words: " + " ".join(words[:lo])
 
 
+NO_END: dict[str, float] = {}  # logit_bias that keeps the model's end tokens from being chosen (main sets it)
+
+
+def end_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """The bundled model's end tokens: its generation config's EOS ids and ChatML's end of turn."""
+    ids = set(json.loads((MODEL / "generation_config.json").read_text())["eos_token_id"])
+    ids.add(tokenizer.token_to_id("<|im_end|>"))
+    return sorted(i for i in ids if i is not None)
+
+
 async def chat(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed greedy chat completion: TTFT, decode tok/s, token counts."""
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    if NO_END:
+        body["logit_bias"] = NO_END
     t0 = time.perf_counter()
     first = last = None
     usage: dict = {}
@@ -199,6 +216,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--long-tokens", type=int, default=3000)
     ap.add_argument("--f32-model", type=Path, default=Path("/tmp/fixture-f32"))
+    ap.add_argument("--natural-length", action="store_true", help="answers end at EOS (lengths then differ by arm)")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--logs", type=Path, default=ROOT / "bench/out")
     args = ap.parse_args()
@@ -207,6 +225,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "mlx_lm", "convert", "--hf-path", str(MODEL), "--mlx-path",
                         str(args.f32_model), "-d", "--dtype", "float32"], check=True)
     tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
+    if not args.natural_length:
+        NO_END.update({str(i): -100.0 for i in end_token_ids(tokenizer)})
     args.logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {a: [] for a in arms}
     for r in range(args.rounds):
@@ -224,7 +244,8 @@ def main() -> None:
             print(f"round {r + 1} {arm}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items() if v is not None),
                   flush=True)
     report = {"command": "python3 bench/single_stream.py " + " ".join(sys.argv[1:]), "machine": platform.node(),
-              "cpus": os.cpu_count(), "arms": arms, "rounds": results,
+              "cpus": os.cpu_count(), "arms": arms, "answers": "natural" if args.natural_length else "max_tokens",
+              "rounds": results,
               "median": {a: {k: median(results[a], k) for k in results[a][0]} for a in arms}}
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

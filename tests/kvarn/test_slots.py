@@ -133,7 +133,8 @@ def test_slots_are_taken_lowest_first_and_grow_by_doubling():
     assert store.new_row(5).slot == 1  # the lowest free slot
     assert store.new_row(5).slot == 3
     assert (store.new_row(5).slot, store.num_slots) == (4, 8)
-    assert store.nbytes == 2 * 8 * H * 128 * D * 4
+    # the doubling copy keeps only what the live rows (10, 5, 5, 5 tokens and the new one) need
+    assert store.nbytes == 2 * 8 * H * 64 * D * 4
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "affine"])
@@ -186,6 +187,31 @@ class Rows:
     def slots(self, batch: SlotBatch) -> list[int]:
         return [row.slot for row in batch.rows]
 
+
+
+def test_slots_that_double_after_a_long_row_left_are_only_as_wide_as_the_live_rows_need():
+    """A burst of short rows after a long one has gone: the doubling copy drops T_cap to what the
+    live rows and the new one need, keeping every live row's tokens (no wide buffers to copy)."""
+    rng = np.random.default_rng(3)
+    store = SlotStore(slots=2, token_step=64)
+    long, short = store.new_row(1000), store.new_row(40)
+    for row, n in ((long, 900), (short, 40)):
+        row.update_and_fetch(*kv(rng, n))
+    assert store.token_capacity == 1024
+    long.release()
+    kept = kv(rng, 30)
+    again = store.new_row(100)  # a free slot: no copy, T_cap stays
+    again.update_and_fetch(*kept)
+    assert (again.slot, store.token_capacity) == (0, 1024)
+    before = [mx.array(x) for x in short.state]
+    grown = store.new_row(50)  # every slot taken: the slots double and T_cap drops to 128
+    assert (grown.slot, store.num_slots, store.token_capacity) == (2, 4, 128)
+    assert store.nbytes == 2 * 4 * H * 128 * D * 4
+    assert_same(short.state, before)
+    assert_same(again.state, list(kept))
+    grown.update_and_fetch(*kv(rng, 50))
+    wide = store.new_row(300)  # a row wider than T_cap still grows it
+    assert store.token_capacity == 320
 
 def test_batch_places_its_rows_in_consecutive_slots_with_the_fewest_moves():
     rows = Rows(SlotStore(slots=8), np.random.default_rng(4))
