@@ -1,6 +1,6 @@
 """One layer's decode attention on the CPU at depth: KVarN k4v2 (``kvarn.attention.decode_attention_over``
-over the pool's records and windows, as the compiled decode step calls it) against fp16 slots (MLX's masked
-SDPA over float32 slots, as ``kvarn.decode_graph.SlotStepLayer`` hands them to mlx-lm).
+over the pool's records and windows, as the compiled decode step calls it) against fp16 slots (float32 slots
+under one validity mask through ``kvarn.cpu_attention.attention``, as the seam attends them on the CPU).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 flock /tmp/kvarn-bench.lock \
         python3 bench/cpu_decode_attention.py --json-out bench/results/cpu-decode-attention.json
@@ -33,7 +33,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.memory import keep_cpu_buffers  # noqa: E402
-from kvarn import attention  # noqa: E402
+from kvarn import attention, cpu_attention  # noqa: E402
 from kvarn.layout import KVLayout  # noqa: E402
 from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks  # noqa: E402
 
@@ -102,7 +102,8 @@ def fp16_case(B: int, T: int, seed: int = 0) -> list[mx.array]:
 
 
 def fp16_attention(queries, keys, values, mask):  # noqa: ANN001
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=SCALE, mask=mask)
+    """The slots' attention as the seam runs it on the CPU (``kvarn.cpu_attention.attention``)."""
+    return cpu_attention.attention(queries, keys, values, SCALE, mask)
 
 
 def time_arm(fn, layers: list[list[mx.array]], reps: int) -> float:

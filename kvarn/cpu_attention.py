@@ -38,6 +38,8 @@ a layer's codes is bounded (unchunked, 64 rows of 2,000 tokens wrote 270 MiB a l
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 LOG2E = 1.4426950408889634
@@ -73,17 +75,47 @@ def softmax_weights(scores: mx.array, top: mx.array | None = None) -> mx.array:
     return _expand(r, bits.view(mx.float32))
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+FEW_QUERY_ROWS = 16  # up to this many query rows a KV head, scores are computed as keys @ q^T
+
+
+def scores_product(q: mx.array, keys: mx.array) -> mx.array:
+    """q [..., M, D] @ keys [..., T, D]^T. For a few query rows (decode: M = the query heads a KV
+    head serves) as (keys @ q^T)^T: OpenBLAS then packs the few query rows instead of every key
+    (one 3,072-token row's scores 0.30 ms against 0.45 ms, 16 rows of 256 0.78 against 0.97 ms)."""
+    if q.shape[-2] <= FEW_QUERY_ROWS and mx.default_device() == mx.cpu:
+        return mx.swapaxes(keys @ mx.swapaxes(q, -1, -2), -1, -2)
+    return q @ mx.swapaxes(keys, -1, -2)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | None) -> mx.array:
     """softmax(queries keys^T * scale + mask) values for float32 queries [B, n_q, L, D] over keys
-    and values [B, H, T, D] (query head i reads KV head i // (n_q / H), as mlx-lm's GQA) under an
-    additive ``mask`` [L, T]."""
+    and values [B, H, T, D] (query head i reads KV head i // (n_q / H), as mlx-lm's GQA) under
+    ``mask``: additive or boolean (True: attended), [L, T] or [B, 1 | n_q, L, T], or None."""
     B, n_q, L, D = queries.shape
     H = keys.shape[1]
     R = n_q // H
-    scores = (queries * scale).reshape(B, H, R * L, D) @ mx.swapaxes(keys, -1, -2)
-    weights = softmax_weights(scores.reshape(B, H, R, L, -1) + mask)
+    scores = scores_product((queries * scale).reshape(B, H, R * L, D), keys).reshape(B, H, R, L, -1)
+    if mask is not None:
+        if mask.ndim == 4:  # per row (and per query head): onto [B, H, R, L, T]
+            mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(B, H, R, L, -1)
+        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
+    weights = softmax_weights(scores)
     out = weights.reshape(B, H, R * L, -1) @ values
     return (out.reshape(B, H, R, L, D) / mx.sum(weights, axis=-1, keepdims=True)).reshape(B, n_q, L, D)
+
+
+def causal_mask(L: int, T: int) -> mx.array:
+    """Additive [L, T]: query i (position T - L + i) sees keys 0 .. T - L + i (mlx-lm's "causal")."""
+    rows, cols = mx.arange(T - L, T)[:, None], mx.arange(T)[None]
+    return mx.where(cols <= rows, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+
+
+def runs(queries: mx.array, keys: Any, mask: Any, sinks: Any) -> bool:
+    """Whether ``attention`` takes this call of mlx-lm's attention on the CPU: float32 queries
+    and plain float32 keys (not a quantized cache's codes), no attention sinks, a mask it reads."""
+    return (mx.default_device() == mx.cpu and sinks is None and isinstance(keys, mx.array)
+            and queries.dtype == mx.float32 and keys.dtype == mx.float32
+            and (mask is None or isinstance(mask, mx.array) or mask == "causal"))
 
 
 def window_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: mx.array, window_k: mx.array,

@@ -119,9 +119,12 @@ def _decode_batch(loaded, arm: str, monkeypatch, lengths: list[int]):
     return engine
 
 
-@pytest.mark.parametrize("arm", ["fp16", "kvarn-k4v2"])
+@pytest.mark.parametrize("arm", ["fp16", pytest.param("kvarn-k4v2", marks=pytest.mark.reference_blas)])
 def test_padding_rows_never_change_a_real_rows_logits(loaded, arm, monkeypatch):
-    """Three rows padded to a bucket of four against the same step unpadded, from the same state."""
+    """Three rows padded to a bucket of four against the same step unpadded, from the same state.
+    KVarN under the reference BLAS (tests/openblas_plugin.py): OpenBLAS sums a 4-row product in
+    another order than a 3-row one on some processors (2.5e-4 apart in these logits on an AMD
+    EPYC, with the same window width), which says nothing about padding."""
     engine = _decode_batch(loaded, arm, monkeypatch, [40, 140, 260])
     runner = engine.runner
     tokens = mx.array([[7], [8], [9]], dtype=mx.int32)

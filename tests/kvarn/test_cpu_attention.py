@@ -62,6 +62,39 @@ def test_attention_matches_float64_and_mlx(n_q, H, L, T, D):
     assert np.abs(got - mlx).max() / np.abs(want).max() < 2e-6
 
 
+@pytest.mark.parametrize("form", ["bool per row", "bool per head", "additive per row", "causal", "none"])
+@pytest.mark.parametrize("B,L,T", [(16, 1, 256), (1, 1, 3000), (2, 20, 64), (3, 17, 40)])
+def test_attention_takes_every_mask_mlx_lm_passes_as_its_sdpa_does(form, B, L, T):
+    """Decode rows (few query rows: scores as keys @ q^T) and prompt chunks, under each mask form
+    mlx-lm and the slots hand to the seam: its values are MLX's SDPA's."""
+    rng = np.random.default_rng([B, L, T])
+    n_q, H, D = 4, 2, 128
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((B, n_q, L, D), (B, H, T, D), (B, H, T, D)))
+    seen = rng.random((B, n_q if form == "bool per head" else 1, L, T)) < 0.7
+    seen[..., 0] = True
+    mask = {"bool per row": mx.array(seen), "bool per head": mx.array(seen), "causal": "causal", "none": None,
+            "additive per row": mx.array(np.where(seen, 0.0, -np.inf).astype(np.float32))}[form]
+    got = CA.attention(q, k, v, 0.09, CA.causal_mask(L, T) if form == "causal" else mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.09, mask=mask)
+    assert mx.abs(got - want).max().item() < 2e-6 * mx.abs(want).max().item()
+
+
+def test_the_seam_runs_cpu_attention_for_float32_keys_and_mlx_lm_s_own_otherwise(monkeypatch):
+    """On the CPU the seam's default takes float32 calls without sinks (no MLX CPU SDPA); codes,
+    other dtypes and sinks go to mlx-lm's function."""
+    calls = []
+    monkeypatch.setattr(CA, "attention", lambda *a: calls.append("cpu") or a[0])
+    seam = PA.make_dispatch(lambda q, k, v, **kw: calls.append("mlx-lm") or q)
+    q, k = mx.zeros((1, 4, 1, 128)), mx.zeros((1, 2, 8, 128))
+    for mask in (None, "causal", mx.ones((1, 1, 1, 8), dtype=mx.bool_)):
+        seam(q, k, k, cache=None, scale=1.0, mask=mask)
+    seam(q, k, k, cache=None, scale=1.0, mask=None, sinks=mx.zeros((4,)))
+    seam(q.astype(mx.float16), k.astype(mx.float16), k.astype(mx.float16), cache=None, scale=1.0, mask=None)
+    plain = "cpu" if mx.default_device() == mx.cpu else "mlx-lm"  # a GPU keeps MLX's fused SDPA
+    assert calls == [plain, plain, plain, "mlx-lm", "mlx-lm"]
+
+
 @pytest.mark.parametrize("start,L,window_start", [(0, 300, 64), (70, 200, 64), (192, 64, 128), (130, 1, 128),
                                                   (320, 77, 256)])
 def test_window_attention_is_the_masked_attention_over_the_joined_keys(start, L, window_start):

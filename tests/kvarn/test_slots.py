@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kvarn import cpu_attention
 from kvarn.attention import install_attention_seam
 from kvarn.baselines import AffineKVCache, FP16KVCache
 from kvarn.layout import KVLayout
@@ -321,7 +322,8 @@ def test_only_plain_full_attention_layers_get_stores():
 # --- batched decode through mlx-lm models ---
 
 class Recorder:
-    """Counts the attention calls of one model step (fused SDPA, or quantized matmuls)."""
+    """Counts the attention calls of one model step (fused SDPA, on the CPU its replacement
+    ``kvarn.cpu_attention.attention``; or quantized matmuls)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sdpa: list[tuple[tuple[int, ...], tuple[int, ...] | None]] = []
@@ -337,7 +339,13 @@ class Recorder:
             self.qmm.append(tuple(w.shape))
             return qmm(x, w, *args, **kw)
 
+        def record_cpu(q, k, v, scale, mask):  # noqa: ANN001
+            self.sdpa.append((tuple(k.shape), tuple(mask.shape) if isinstance(mask, mx.array) else None))
+            return cpu(q, k, v, scale, mask)
+
+        cpu = cpu_attention.attention
         monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", record_sdpa)
+        monkeypatch.setattr(cpu_attention, "attention", record_cpu)
         monkeypatch.setattr(mx, "quantized_matmul", record_qmm)
 
 
@@ -415,7 +423,7 @@ def assert_one_attention_per_layer(recorder: Recorder, batch: list[Any], slot_la
     slot_calls = [call for call in recorder.sdpa if call[0][0] == B]
     if layout.scheme == "fp16" and fused_decode_available(batch[slot_layers[0]]):
         assert slot_calls == []  # the GPU's fused ragged kernel reads the slots itself: no SDPA
-    elif layout.scheme == "fp16":  # one fused SDPA over [B, H, T, D] per slot layer, one mask
+    elif layout.scheme == "fp16":  # one attention over [B, H, T, D] per slot layer, one mask
         assert len(slot_calls) == len(slot_layers)
         assert all(k[0] == B and k[2] == T and mask == (B, 1, 1, T) for k, mask in slot_calls)
     else:  # mlx-lm's quantized attention: scores and values, two quantized matmuls per layer
