@@ -55,6 +55,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     apc = apc or ApcConfig()
     install_attention_seam(loaded.model)
     keep_cpu_buffers()
+    KERNELS.cpu()  # on the CPU: its kernels built (once a machine) and self-checked before anything is traced
     probe = make_cache(loaded.model, layout, capacity=1)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
     row = paged_row(probe)

@@ -272,8 +272,14 @@ def _quantized_matmul_attention(queries: mx.array, a: Any, index: Attended, layo
     B, n_q, _, D = queries.shape
     H = a.win_k.shape[1]
     R, G, f32 = n_q // H, layout.tile_size, mx.float32
-    win_k, win_v = _windows(a, index)
     q = rotate(queries.astype(f32)).reshape(B, H, R, D) * scale
+    native = _native(layout, a, D) if index.mask.shape[2] in (1, R) else None
+    if native is not None:  # the CPU's kernel: codes read in place, one pass a row and KV head
+        out = native.decode_attention(q, a.records, a.win_k, a.win_v, _window_ids(index, B), index.table,
+                                      index.mask.reshape(B, index.mask.shape[2], -1), win_len=index.win_len,
+                                      key_bits=layout.key_bits, value_bits=layout.value_bits)
+        return rotate(out).astype(queries.dtype).reshape(B, n_q, 1, D)
+    win_k, win_v = _windows(a, index)
     scores = [cpu_attention.scores_product(q, win_k.astype(f32))]
     table = index.table
     unpacked = _reads_unpacked(layout)
@@ -293,6 +299,25 @@ def _quantized_matmul_attention(queries: mx.array, a: Any, index: Attended, layo
     return rotate(out).astype(queries.dtype).reshape(B, n_q, 1, D)
 
 
+def _native(layout: Any, a: Any, head_dim: int) -> Any:
+    """The CPU's decode kernel (``metal.cpu``) where it runs and takes this layout and these arrays
+    (float32 or float16 windows, float16 factors), else None."""
+    if mx.default_device() != mx.cpu or a.win_k.dtype not in (mx.float32, mx.float16) \
+            or a.records["k_alpha"].dtype != mx.float16:
+        return None
+    kernels = KERNELS.cpu()
+    if kernels is None or not kernels.is_supported(head_dim=head_dim, key_bits=layout.key_bits,
+                                                   value_bits=layout.value_bits):
+        return None
+    return kernels
+
+
+def _window_ids(index: Attended, B: int) -> mx.array:
+    """The rows' window ids [B] int32 (a range where they are consecutive)."""
+    w = index.windows
+    return mx.arange(w[0], w[1], dtype=mx.int32) if isinstance(w, tuple) else w.astype(mx.int32).reshape(B)
+
+
 def _reads_unpacked(layout: Any) -> bool:
     """Whether the records' products go through unpacked codes (``kvarn.cpu_attention``): on the
     CPU, where MLX's ``quantized_matmul`` is scalar, for widths whose codes sit within a byte."""
@@ -305,8 +330,8 @@ def _softmax(scores: mx.array) -> mx.array:
     attention over one 3,000-token row, a fifth over 16 rows of 1,024)."""
     if mx.default_device() != mx.cpu:
         return mx.softmax(scores, axis=-1)
-    weights = cpu_attention.softmax_weights(scores)
-    return weights / mx.sum(weights, axis=-1, keepdims=True)
+    weights, total = cpu_attention.softmax_parts(scores)
+    return weights / total
 
 
 def _row_records(records: dict[str, mx.array], table: mx.array) -> dict[str, mx.array]:

@@ -42,6 +42,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from metal import KERNELS
+
 LOG2E = 1.4426950408889634
 LN2_HI, LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split so that n * LN2_HI is exact
 EXP_FLOOR = -87.0  # exp of anything lower is below float32's normal range
@@ -71,7 +73,17 @@ def _exp_below(scores: mx.array, top: mx.array) -> mx.array:
 def softmax_weights(scores: mx.array, top: mx.array | None = None) -> mx.array:
     """exp(scores - top) (float32; ``top`` by default the max along the last axis): softmax
     before its normalization."""
-    return _exp_below(scores, mx.max(scores, axis=-1, keepdims=True) if top is None else top)
+    return softmax_parts(scores, top)[0]
+
+
+def softmax_parts(scores: mx.array, top: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """(``softmax_weights``, their sums along the last axis, kept): the CPU kernel's one pass a
+    row where it runs (``metal.cpu``: the same bits), else ``_exp_below`` and a sum."""
+    kernels = KERNELS.cpu() if scores.dtype == mx.float32 else None
+    if kernels is not None:
+        return kernels.exp_rows(scores, top)
+    weights = _exp_below(scores, mx.max(scores, axis=-1, keepdims=True) if top is None else top)
+    return weights, mx.sum(weights, axis=-1, keepdims=True)
 
 
 FEW_QUERY_ROWS = 16  # up to this many query rows a KV head, scores are computed as keys @ q^T
@@ -98,9 +110,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
         if mask.ndim == 4:  # per row (and per query head): onto [B, H, R, L, T]
             mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(B, H, R, L, -1)
         scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    weights = softmax_weights(scores)
+    weights, total = softmax_parts(scores)
     out = weights.reshape(B, H, R * L, -1) @ values
-    return (out.reshape(B, H, R, L, D) / mx.sum(weights, axis=-1, keepdims=True)).reshape(B, n_q, L, D)
+    return (out.reshape(B, H, R, L, D) / total).reshape(B, n_q, L, D)
 
 
 def causal_mask(L: int, T: int) -> mx.array:
@@ -144,10 +156,11 @@ def window_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: 
         return _pad_rows(x, skip, 0, fill)
 
     top = mx.maximum(mx.max(main, axis=-1, keepdims=True), to_chunk(mx.max(local, axis=-1, keepdims=True), -mx.inf))
-    w_main = softmax_weights(main, top)
-    w_local = softmax_weights(local, _pad_rows(top[:, :, :, skip:], front, back, 0.0).reshape(B, H, R, num_tiles, G, 1))
+    w_main, sum_main = softmax_parts(main, top)
+    w_local, sum_local = softmax_parts(local, _pad_rows(top[:, :, :, skip:], front, back, 0.0).reshape(
+        B, H, R, num_tiles, G, 1))
     out = (w_main.reshape(B, H, R * L, -1) @ values).reshape(B, H, R, L, D) + to_chunk(w_local @ tiles_v, 0.0)
-    total = mx.sum(w_main, axis=-1, keepdims=True) + to_chunk(mx.sum(w_local, axis=-1, keepdims=True), 0.0)
+    total = sum_main + to_chunk(sum_local, 0.0)
     return (out / total).reshape(B, n_q, L, D)
 
 

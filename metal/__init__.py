@@ -1,9 +1,13 @@
-"""Hand-written kernels through MLX's custom-kernel API, by backend, each with a pure-MLX reference.
+"""Hand-written kernels, by backend, each with a pure-MLX reference: through MLX's custom-kernel API
+(GPUs), or as MLX primitives of an extension (the CPU).
 
     metal/cuda/     the CUDA kernels (mx.fast.cuda_kernel), one wrapper module each: paged_decode (a
                     tensor-core body and a scalar one), commit, ragged_decode; their CUDA text in src/
     metal/msl/      their Metal Shading Language twins (mx.fast.metal_kernel): paged_decode, commit;
                     their Metal text in src/
+    metal/cpu/      the CPU's kernels: MLX primitives in C++ (src/kvarn_cpu.cpp: KVarN's decode
+                    attention over the records' codes in place, the softmax's exp), built as an MLX
+                    extension at first use on the machine (build.py); kernels.py: their Python faces
     sources.py      the loader of the kernels' source files (package data)
     paged_plan.py   the paged decode's split plan (RowLengths, DecodePlan), shared by both backends
     reference.py    the pure-MLX twins of the decode kernels

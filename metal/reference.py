@@ -12,7 +12,7 @@ from metal.paged_plan import DecodePlan, RowLengths
 from metal.records import RECORD_FIELDS
 
 
-def _hadamard(x: mx.array) -> mx.array:
+def hadamard(x: mx.array) -> mx.array:
     """x @ H along the last axis, block-diagonal over 128-channel slices (``kvarn.quantize.rotate``)."""
     D = x.shape[-1]
     if D <= 128:
@@ -55,9 +55,9 @@ def reference_paged_decode_attention(*, queries: mx.array, records: dict[str, mx
         rec_k, rec_v = _dequantize(fields, G, key_bits, value_bits, dtype)
         keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
         mask = mx.concatenate([mask, (mx.arange(table.shape[1] * G, dtype=i32)[None] // G) < nt], axis=1)
-    q = _hadamard(queries.astype(mx.float32)).astype(dtype)
+    q = hadamard(queries.astype(mx.float32)).astype(dtype)
     out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask[:, None, None, :])
-    return _hadamard(out.astype(mx.float32)).astype(queries.dtype)
+    return hadamard(out.astype(mx.float32)).astype(queries.dtype)
 
 
 def reference_ragged_decode_attention(*, queries: mx.array, keys: mx.array, values: mx.array, slots: Sequence[int],

@@ -9,6 +9,12 @@ reference, with one logged warning per kind of kernel. A verdict never changes a
     paged_decode     ()                                           cuda-fused | metal-fused | reference
     commit           (head_dim, tile_size, key_bits, value_bits, iters)   cuda-fused | metal-fused | reference
     ragged_decode    ()                                           cuda-fused | reference
+    cpu              ()                                           cpu-native | reference
+
+The CPU's kernels (``metal.cpu``: KVarN's decode attention, the softmax's exp) are one verdict:
+built at first use on this machine (``metal.cpu.build``), then checked against the pure-MLX
+references in float32 (the self-check's arrays are its own, so it runs inside an ``mx.compile``
+trace too). The engine decides it when it is made.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from metal.cpu import build
+from metal.cpu.kernels import CpuKernels
 from metal.paged_plan import RowLengths
 from metal.records import RECORD_FIELDS
 from metal.reference import reference_paged_decode_attention, reference_ragged_decode_attention
@@ -30,7 +38,9 @@ log = logging.getLogger(__name__)
 SELF_CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference|: float16 noise is ~1e-3
 COMMIT_SELF_CHECK_CODES = 0.99  # fraction of code words equal to the reference's
 COMMIT_SELF_CHECK_FACTORS = 1e-2  # max |kernel - reference| / max |reference| per factor field (float16 ~1e-3)
+CPU_SELF_CHECK_TOLERANCE = 1e-4  # float32 against float32: summation order only (~1e-7 measured)
 FUSED = ("cuda-fused", "metal-fused")
+CPU_NATIVE = "cpu-native"
 REFERENCE = "reference"
 
 
@@ -95,6 +105,7 @@ class Kernels:
     def __init__(self, backend: Backend | None | str = "auto"):
         self._backend_arg = backend
         self._decisions: dict[tuple, Decision] = {}
+        self._cpu: CpuKernels | None = None
 
     @cached_property
     def backend(self) -> Backend | None:
@@ -248,6 +259,39 @@ class Kernels:
     def decided_ragged_decode_path(self) -> str | None:
         return self._decided("ragged_decode")
 
+    # ---- the CPU's kernels ----
+    def cpu(self) -> CpuKernels | None:
+        """KVarN's CPU kernels (``metal.cpu.kernels.CpuKernels``) where MLX runs on the CPU and
+        they built and passed their self-check; else None (the pure-MLX paths run). Decides the
+        verdict at the first call."""
+        if mx.default_device() != mx.cpu:
+            return None
+        key = ("cpu",)
+        if key not in self._decisions:
+            kernels, decision = self._decide_cpu()
+            self._settle(key, *decision)
+            self._cpu = kernels
+        return self._cpu if self._decisions[key].path == CPU_NATIVE else None
+
+    def _decide_cpu(self) -> tuple[CpuKernels | None, tuple[str, tuple | None]]:
+        try:
+            kernels = CpuKernels(build.load())
+        except build.Unavailable as exc:
+            return None, (REFERENCE, ("kvarn: no CPU kernels (%s); the CPU runs the pure-MLX paths", exc))
+        try:
+            err = cpu_self_check(kernels)
+        except Exception as exc:  # noqa: BLE001 (a kernel that raises is not used)
+            return None, (REFERENCE, ("kvarn: the CPU kernels failed their self-check (%s); the CPU runs the "
+                                      "pure-MLX paths", exc))
+        if not err <= CPU_SELF_CHECK_TOLERANCE:
+            return None, (REFERENCE, ("kvarn: the CPU kernels are off their references by %.3g (max relative); the "
+                                      "CPU runs the pure-MLX paths", err))
+        return kernels, (CPU_NATIVE, None)
+
+    def decided_cpu_path(self) -> str | None:
+        return self._decided("cpu")
+
+
 
 # ---- the self-checks: each kernel against its reference on a small random case ----
 def _max_rel_error(out: mx.array, ref: mx.array) -> float:
@@ -255,9 +299,9 @@ def _max_rel_error(out: mx.array, ref: mx.array) -> float:
     return (mx.max(mx.abs(out - ref)) / mx.max(mx.abs(ref))).item()
 
 
-def paged_decode_self_check(kernel: Callable[..., mx.array]) -> float:
+def paged_decode_self_check(kernel: Callable[..., mx.array], dtype: mx.Dtype = mx.float16) -> float:
     """``kernel`` (``paged_decode_attention``'s signature) vs the reference on a small random pool
-    (records at scattered ids, ragged rows): the max relative error."""
+    (records at scattered ids, ragged rows), queries and windows in ``dtype``: the max relative error."""
     H, NR, D, G, N = 2, 4, 128, 128, 6
     ks = mx.random.split(mx.random.key(11), 12)
     records = {
@@ -266,14 +310,26 @@ def paged_decode_self_check(kernel: Callable[..., mx.array]) -> float:
     for i, (name, shape) in enumerate([("k_alpha", (N, H, 1, D)), ("k_beta", (N, H, 1, D)), ("k_r", (N, H, 1, G)),
                                        ("v_alpha", (N, H, G, 1)), ("v_beta", (N, H, G, 1)), ("v_c", (N, H, D))]):
         records[name] = (mx.random.uniform(0.05, 0.3, shape, key=ks[2 + i])).astype(mx.float16)
-    win_k = mx.random.normal((4, H, 2 * G, D), key=ks[8]).astype(mx.float16)
-    win_v = mx.random.normal((4, H, 2 * G, D), key=ks[9]).astype(mx.float16)
-    queries = mx.random.normal((3, H * NR, 1, D), key=ks[10]).astype(mx.float16)
+    win_k = mx.random.normal((4, H, 2 * G, D), key=ks[8]).astype(dtype)
+    win_v = mx.random.normal((4, H, 2 * G, D), key=ks[9]).astype(dtype)
+    queries = mx.random.normal((3, H * NR, 1, D), key=ks[10]).astype(dtype)
     table = mx.array([[3, 1, 5], [0, 0, 0], [2, 0, 0]], dtype=mx.int32)
     lengths = RowLengths(slots=(2, 1, 3), sink_len=(G, 7, G), tail_len=(5, 0, 0), num_tiles=(3, 0, 1))
     kw = dict(queries=queries, records={n: records[n] for n in RECORD_FIELDS}, win_k=win_k, win_v=win_v,
               table=table, lengths=lengths, scale=D ** -0.5, key_bits=4, value_bits=2)
     return _max_rel_error(kernel(**kw), reference_paged_decode_attention(**kw))
+
+
+def cpu_self_check(kernels: CpuKernels) -> float:
+    """The CPU kernels against their references in float32: the decode attention on
+    ``paged_decode_self_check``'s pool (float32 queries), the softmax's exp on random scores
+    (masked ones too) against ``exp``: the larger max relative error."""
+    err = paged_decode_self_check(lambda **kw: kernels.paged_decode_attention(**kw), dtype=mx.float32)
+    scores = mx.random.normal((3, 5, 300), key=mx.random.key(5)) * 6
+    scores = mx.where(mx.arange(300) % 7 == 3, -mx.inf, scores)
+    weights, sums = kernels.exp_rows(scores)
+    want = mx.exp(scores - mx.max(scores, axis=-1, keepdims=True))
+    return max(err, _max_rel_error(weights, want), _max_rel_error(sums, mx.sum(want, axis=-1, keepdims=True)))
 
 
 def commit_self_check(reference: Callable[..., dict[str, mx.array]], kernel: CommitKernel, *, head_dim: int,

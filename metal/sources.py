@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-BACKENDS = ("cuda", "msl")
+BACKENDS = ("cuda", "msl", "cpu")
 
 
 def source(backend: str, name: str) -> str:

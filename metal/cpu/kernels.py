@@ -1,0 +1,71 @@
+"""The CPU kernels' Python faces: what ``kvarn`` calls, in shapes as the pool stores them, and an
+adapter with ``metal.cuda.paged_decode.paged_decode_attention``'s signature (what the selector's
+self-check and the tests compare with ``metal.reference``)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import mlx.core as mx
+
+from metal.paged_plan import RowLengths
+from metal.reference import hadamard
+
+WIDTHS = (2, 4, 8)  # code widths whose codes never straddle a 32-bit word
+
+
+class CpuKernels:
+    """The built extension (``metal.cpu.build.load``) behind two entries."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+
+    @staticmethod
+    def is_supported(*, head_dim: int, key_bits: int, value_bits: int) -> bool:
+        """Whether ``decode_attention`` takes this layout: one 128-channel slice a head (or a
+        64-channel head), codes within a word."""
+        return head_dim in (64, 128) and key_bits in WIDTHS and value_bits in WIDTHS
+
+    def exp_rows(self, scores: mx.array, top: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """(exp(scores - top), their sums [..., 1]) for float32 ``scores`` [..., n]; ``top``
+        [..., 1], by default each row's max (``kvarn.cpu_attention._exp_below``'s bits)."""
+        weights, sums = self.module.exp_rows(scores, top)
+        return weights, sums
+
+    def decode_attention(self, q: mx.array, records: dict[str, mx.array], win_k: mx.array, win_v: mx.array,
+                         win_ids: mx.array, table: mx.array | None, mask: mx.array, *, win_len: int,
+                         key_bits: int, value_bits: int) -> mx.array:
+        """Softmax attention [B, H, R, D] of ``q`` (float32 [B, H, R, D], rotated and scaled) over
+        each row's window ``win_ids`` [B] (its first ``win_len`` tokens of the windows [Nw, H, 2G, D],
+        float32 or float16) and its records ``table`` [B, nb] (None: none), under the validity
+        ``mask`` [B, 1 | R, win_len + nb*G] (bool); ``records`` as the pool stores them."""
+        B, H = q.shape[:2]
+        D = q.shape[-1]
+        if table is None:
+            table = mx.zeros((B, 0), mx.int32)
+        k_codes = records["k_codes"]
+        return self.module.decode_records(
+            q, win_k, win_v, win_ids, table, mask, k_codes.reshape(k_codes.shape[0], H, D, -1),
+            records["k_alpha"], records["k_beta"], records["k_r"], records["v_codes"], records["v_alpha"],
+            records["v_beta"], records["v_c"], win_len, key_bits, value_bits)
+
+    def paged_decode_attention(self, *, queries: mx.array, records: dict[str, mx.array], win_k: mx.array,
+                               win_v: mx.array, table: mx.array | None, lengths: RowLengths, scale: float,
+                               key_bits: int, value_bits: int, plan: object = None,
+                               variant: object = None) -> mx.array:
+        """``decode_attention`` behind ``metal.reference.reference_paged_decode_attention``'s
+        signature (queries [B, n_q, 1, D] unrotated; the rows' lengths as host integers)."""
+        B, n_q, _, D = queries.shape
+        H = win_k.shape[1]
+        G = win_k.shape[2] // 2
+        i32 = mx.int32
+        q = (hadamard(queries.astype(mx.float32)) * scale).reshape(B, H, n_q // H, D)
+        sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (lengths.sink_len, lengths.tail_len, lengths.num_tiles))
+        w = mx.arange(2 * G, dtype=i32)[None]
+        mask = (w < sl) | ((w >= G) & (w < G + tl))
+        if table is not None:
+            mask = mx.concatenate([mask, (mx.arange(table.shape[1] * G, dtype=i32)[None] // G) < nt], axis=1)
+        out = self.decode_attention(q, records, win_k, win_v,
+                                    mx.array(lengths.slots, dtype=i32), table, mask[:, None], win_len=2 * G,
+                                    key_bits=key_bits, value_bits=value_bits)
+        return hadamard(out).astype(queries.dtype).reshape(B, n_q, 1, D)

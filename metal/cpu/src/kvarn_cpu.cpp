@@ -1,0 +1,469 @@
+// KVarN's CPU kernels as MLX primitives (an MLX extension built at first use by metal/cpu/build.py).
+//
+// MLX's CPU backend runs attention unfused and its fused elementwise kernels are compiled without the
+// host's vector instructions; a KVarN record's codes can only reach its OpenBLAS products unpacked to
+// float32 first. These primitives read what the storage holds, in place, in loops the compiler
+// vectorizes for this CPU (-O3 -march=native), and run inside MLX graphs (mx.compile too):
+//
+//   DecodeRecords  one decode step's attention of rows over their float windows and their KVarN
+//                  records (2-, 4- or 8-bit codes, float16 factors): scores, softmax and the weighted
+//                  values in one pass a (row, KV head), each code dequantized in registers; the pure-MLX twin is
+//                  kvarn.attention._quantized_matmul_attention.
+//   ExpRows        exp(scores - top) a row, top the row's max or given, and the row sums: a softmax's
+//                  numerator and denominator; the pure-MLX twin is kvarn.cpu_attention._exp_below
+//                  (the same polynomial, the same bits: built without contraction into FMAs).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+using namespace mlx::core;
+
+namespace {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2_HI = 0.693359375f;
+constexpr float LN2_LO = -2.12194440e-4f;
+constexpr float EXP_FLOOR = -87.0f;
+constexpr float ROUND = 12582912.0f;  // 1.5 * 2**23
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 as kvarn.cpu_attention._exp_below computes it (operation for operation).
+inline float exp_below(float x) {
+  x = x > EXP_FLOOR ? x : EXP_FLOOR;
+  float shifted = x * LOG2E + ROUND;
+  float n = shifted - ROUND;
+  float r = (x - n * LN2_HI) - n * LN2_LO;
+  float biased = shifted + 127.0f;
+  uint32_t bits;
+  std::memcpy(&bits, &biased, 4);
+  bits <<= 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  float r2 = r * r;
+  float high = (1.9875691500e-4f * r + 1.3981999507e-3f) * r2 + (8.3334519073e-3f * r + 4.1665795894e-2f);
+  float low = (1.6666665459e-1f * r + 5.0000001201e-1f) * r2 + (r + 1.0f);
+  return (high * (r2 * r2) + low) * scale;
+}
+
+// float16 -> float32, n values
+inline void to_float(const float16_t* x, int n, float* out) {
+#if defined(__F16C__)
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(x);
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits + i))));
+  for (; i < n; ++i) out[i] = _cvtsh_ss(bits[i]);
+#else
+  for (int i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+#endif
+}
+
+// a row of n window values as float32: in place, or converted into ``scratch``
+inline const float* row_of(const float* x, int, float*) {
+  return x;
+}
+inline const float* row_of(const float16_t* x, int n, float* scratch) {
+  to_float(x, n, scratch);
+  return scratch;
+}
+
+// a * b + c rounded once (the products' sums are built of these; only the exp polynomial, which
+// must give the pure-MLX path's bits, is kept free of fused multiply-adds: -ffp-contract=off)
+inline float fma(float a, float b, float c) {
+  return __builtin_fmaf(a, b, c);
+}
+
+// Reductions in 8 independent lanes (the compiler vectorizes them; one float sum would be a chain)
+constexpr int LANES = 8;
+
+inline float dot(const float* a, const float* b, int n) {
+  float acc[LANES] = {};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] = fma(a[i + l], b[i + l], acc[l]);
+  float s = 0.0f;
+  for (int l = 0; l < LANES; ++l) s += acc[l];
+  for (; i < n; ++i) s = fma(a[i], b[i], s);
+  return s;
+}
+
+inline float row_sum(const float* a, int n) {
+  float acc[LANES] = {};
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] += a[i + l];
+  float s = 0.0f;
+  for (int l = 0; l < LANES; ++l) s += acc[l];
+  for (; i < n; ++i) s += a[i];
+  return s;
+}
+
+inline float row_max(const float* a, int n) {
+  float acc[LANES];
+  for (int l = 0; l < LANES; ++l) acc[l] = NEG_INF;
+  int i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] = a[i + l] > acc[l] ? a[i + l] : acc[l];
+  float m = NEG_INF;
+  for (int l = 0; l < LANES; ++l) m = acc[l] > m ? acc[l] : m;
+  for (; i < n; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+
+
+// fn(begin, end) over [0, n) split across up to hardware_concurrency threads (this one included)
+// where the work is worth the threads' start (~20 us each): MLX runs a CPU primitive on its one
+// stream thread, while its OpenBLAS products use every core.
+constexpr int64_t MIN_WORK_PER_THREAD = 1 << 18;  // ~ multiply-adds: a few hundred microseconds
+
+template <class F>
+void parallel_for(int64_t n, int64_t work_per_item, F&& fn) {
+  static const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t by_work = std::max<int64_t>(1, n * work_per_item / MIN_WORK_PER_THREAD);
+  const int64_t threads = std::min({cores, n, by_work});
+  if (threads <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> helpers;
+  helpers.reserve(threads - 1);
+  const int64_t per = (n + threads - 1) / threads;
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t lo = t * per, hi = std::min(n, lo + per);
+    if (lo < hi) helpers.emplace_back([&fn, lo, hi] { fn(lo, hi); });
+  }
+  fn(int64_t{0}, std::min(n, per));
+  for (auto& h : helpers) h.join();
+}
+
+// ---------------------------------------------------------------------------------------------
+// ExpRows: scores [rows, n] -> weights exp(scores - top) [rows, n], sums [rows, 1]
+class ExpRows : public Primitive {
+ public:
+  ExpRows(Stream s, bool given_top) : Primitive(s), given_top_(given_top) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    const array& scores = inputs[0];
+    array& weights = outputs[0];
+    array& sums = outputs[1];
+    weights.set_data(allocator::malloc(weights.nbytes()));
+    sums.set_data(allocator::malloc(sums.nbytes()));
+    int64_t n = scores.shape(-1);
+    int64_t rows = n ? scores.size() / n : 0;
+    const float* top = given_top_ ? inputs[1].data<float>() : nullptr;
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(scores);
+    if (given_top_) encoder.set_input_array(inputs[1]);
+    encoder.set_output_array(weights);
+    encoder.set_output_array(sums);
+    encoder.dispatch([x = scores.data<float>(), top, w = weights.data<float>(), s = sums.data<float>(), rows, n]() {
+      parallel_for(rows, 16 * n, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const float* xi = x + i * n;
+          float* wi = w + i * n;
+          const float t = top ? top[i] : row_max(xi, static_cast<int>(n));
+          for (int64_t j = 0; j < n; ++j) wi[j] = exp_below(xi[j] - t);
+          s[i] = row_sum(wi, static_cast<int>(n));
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("ExpRows runs on the CPU only");
+  }
+  const char* name() const override { return "KvarnExpRows"; }
+  bool is_equivalent(const Primitive& other) const override {
+    return given_top_ == static_cast<const ExpRows&>(other).given_top_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape sums = inputs[0].shape();
+    sums.back() = 1;
+    return {inputs[0].shape(), sums};
+  }
+
+ private:
+  bool given_top_;
+};
+
+std::vector<array> exp_rows(const array& scores, std::optional<array> top) {
+  auto s = to_stream(Device::cpu);
+  if (scores.dtype() != float32) throw std::invalid_argument("exp_rows takes float32 scores");
+  std::vector<array> inputs = {contiguous(scores, false, s)};
+  Shape sums = scores.shape();
+  sums.back() = 1;
+  if (top) {
+    if (top->dtype() != float32 || top->size() * scores.shape(-1) != scores.size())
+      throw std::invalid_argument("exp_rows takes float32 tops, one a row of scores");
+    inputs.push_back(contiguous(*top, false, s));
+  }
+  return array::make_arrays({scores.shape(), sums}, {float32, float32},
+                            std::make_shared<ExpRows>(s, top.has_value()), inputs);
+}
+
+// ---------------------------------------------------------------------------------------------
+// DecodeRecords: inputs (all row-contiguous)
+//   0 q        [B, H, R, D] float32   queries, rotated and scaled
+//   1 win_k    [Nw, H, 2G, D] float32 or float16: the layer's windows (sink, then tail)
+//   2 win_v    [Nw, H, 2G, D] (as win_k)
+//   3 win_ids  [B] int32              each row's window
+//   4 table    [B, nb] int32          each row's record blocks (nb may be 0)
+//   5 mask     [B, M, win_len + nb*G] bool, M = 1 or R (per query row)
+//   6 k_codes  [N, H, D, G*bk/32] uint32   7 k_alpha [N, H, D] f16   8 k_beta [N, H, D] f16   9 k_r [N, H, G] f16
+//  10 v_codes  [N, H, G, D*bv/32] uint32  11 v_alpha [N, H, G] f16   12 v_beta [N, H, G] f16  13 v_c [N, H, D] f16
+// output [B, H, R, D] float32 (rotated space, normalized)
+struct DecodeShape {
+  int B, H, R, D, G, win_len, nb, M, key_bits, value_bits, win_slots;
+};
+
+class DecodeRecords : public UnaryPrimitive {
+ public:
+  DecodeRecords(Stream s, int win_len, int key_bits, int value_bits)
+      : UnaryPrimitive(s), win_len_(win_len), key_bits_(key_bits), value_bits_(value_bits) {}
+
+  void eval_cpu(const std::vector<array>& in, array& out) override {
+    out.set_data(allocator::malloc(out.nbytes()));
+    DecodeShape sh{static_cast<int>(in[0].shape(0)), static_cast<int>(in[0].shape(1)),
+                   static_cast<int>(in[0].shape(2)), static_cast<int>(in[0].shape(3)),
+                   static_cast<int>(in[1].shape(2) / 2), win_len_, static_cast<int>(in[4].shape(1)),
+                   static_cast<int>(in[5].shape(1)), key_bits_, value_bits_, static_cast<int>(in[1].shape(2))};
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : in) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const bool f16_windows = in[1].dtype() == float16;
+    encoder.dispatch([sh, f16_windows, q = in[0].data<float>(), win_k = in[1].data<void>(), win_v = in[2].data<void>(),
+                      win_ids = in[3].data<int32_t>(), table = in[4].data<int32_t>(), mask = in[5].data<bool>(),
+                      k_codes = in[6].data<uint32_t>(), k_alpha = in[7].data<float16_t>(),
+                      k_beta = in[8].data<float16_t>(), k_r = in[9].data<float16_t>(),
+                      v_codes = in[10].data<uint32_t>(), v_alpha = in[11].data<float16_t>(),
+                      v_beta = in[12].data<float16_t>(), v_c = in[13].data<float16_t>(), o = out.data<float>()]() {
+      if (f16_windows)
+        run(sh, q, static_cast<const float16_t*>(win_k), static_cast<const float16_t*>(win_v), win_ids, table, mask,
+            k_codes, k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c, o);
+      else
+        run(sh, q, static_cast<const float*>(win_k), static_cast<const float*>(win_v), win_ids, table, mask, k_codes,
+            k_alpha, k_beta, k_r, v_codes, v_alpha, v_beta, v_c, o);
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("DecodeRecords runs on the CPU only");
+  }
+  const char* name() const override { return "KvarnDecodeRecords"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const DecodeRecords&>(other);
+    return win_len_ == o.win_len_ && key_bits_ == o.key_bits_ && value_bits_ == o.value_bits_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int win_len_, key_bits_, value_bits_;
+
+  // codes [n] of BITS bits from MLX's little-endian packing (2, 4, 8: a code never straddles a word)
+  template <int BITS>
+  static inline void unpack(const uint32_t* words, int n, float* out) {
+    constexpr int PER_WORD = 32 / BITS;
+    constexpr uint32_t MASK = (1u << BITS) - 1u;
+    for (int w = 0; w < n / PER_WORD; ++w) {
+      const uint32_t x = words[w];
+      for (int l = 0; l < PER_WORD; ++l) out[w * PER_WORD + l] = static_cast<float>((x >> (BITS * l)) & MASK);
+    }
+  }
+
+  template <class WT>
+  static void run(const DecodeShape sh, const float* q, const WT* win_k, const WT* win_v, const int32_t* win_ids,
+                  const int32_t* table, const bool* mask, const uint32_t* k_codes, const float16_t* k_alpha,
+                  const float16_t* k_beta, const float16_t* k_r, const uint32_t* v_codes, const float16_t* v_alpha,
+                  const float16_t* v_beta, const float16_t* v_c, float* o) {
+    auto widths = [&](auto kb, auto vb) {
+      run_bits<decltype(kb)::value, decltype(vb)::value, WT>(sh, q, win_k, win_v, win_ids, table, mask, k_codes, k_alpha,
+                                                         k_beta, k_r, v_codes, v_alpha, v_beta, v_c, o);
+    };
+    auto by_value = [&](auto kb) {
+      switch (sh.value_bits) {
+        case 2: return widths(kb, std::integral_constant<int, 2>{});
+        case 4: return widths(kb, std::integral_constant<int, 4>{});
+        default: return widths(kb, std::integral_constant<int, 8>{});
+      }
+    };
+    switch (sh.key_bits) {
+      case 2: return by_value(std::integral_constant<int, 2>{});
+      case 4: return by_value(std::integral_constant<int, 4>{});
+      default: return by_value(std::integral_constant<int, 8>{});
+    }
+  }
+
+  template <int KB, int VB, class WT>
+  static void run_bits(const DecodeShape sh, const float* q, const WT* win_k, const WT* win_v,
+                       const int32_t* win_ids, const int32_t* table, const bool* mask, const uint32_t* k_codes,
+                       const float16_t* k_alpha, const float16_t* k_beta, const float16_t* k_r,
+                       const uint32_t* v_codes, const float16_t* v_alpha, const float16_t* v_beta,
+                       const float16_t* v_c, float* o) {
+    const int B = sh.B, H = sh.H, R = sh.R, D = sh.D, G = sh.G, n = sh.win_len, nb = sh.nb;
+    const int T = n + nb * G;
+    const int kw = G * KB / 32;  // words a key channel
+    const int vw = D * VB / 32;  // words a value token
+    // one (row, KV head) an item; each thread its own scratch
+    parallel_for(static_cast<int64_t>(B) * H, static_cast<int64_t>(R + 1) * T * D, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(static_cast<size_t>(R) * T), codes(std::max(G, D)), acc(static_cast<size_t>(R) * std::max(G, D)),
+        total(R), fa(std::max(G, D)), fb(std::max(G, D));
+    for (int64_t item = lo; item < hi; ++item) {
+      const int b = static_cast<int>(item / H), h = static_cast<int>(item % H);
+      const int w = win_ids[b];
+      {
+        const float* qh = q + (static_cast<size_t>(b) * H + h) * R * D;
+        const WT* wk = win_k + ((static_cast<size_t>(w) * H + h) * sh.win_slots) * D;
+        const WT* wv = win_v + ((static_cast<size_t>(w) * H + h) * sh.win_slots) * D;
+        // scores over the window
+        for (int t = 0; t < n; ++t) {
+          const float* k = row_of(wk + static_cast<size_t>(t) * D, D, fa.data());
+          for (int r = 0; r < R; ++r) s[static_cast<size_t>(r) * T + t] = dot(qh + r * D, k, D);
+        }
+        // scores over the records: r_g * sum_d q_d (code_dg alpha_d + beta_d), each key element
+        // dequantized before its product (factored as (q * alpha) . codes + q . beta, the two terms
+        // cancel where beta is large: twice the error against a float64 reference)
+        for (int j = 0; j < nb; ++j) {
+          const size_t blk = static_cast<size_t>(table[b * nb + j]) * H + h;
+          to_float(k_alpha + blk * D, D, fa.data());
+          to_float(k_beta + blk * D, D, fb.data());
+          std::fill(acc.begin(), acc.begin() + static_cast<size_t>(R) * G, 0.0f);
+          const uint32_t* kc = k_codes + blk * D * kw;
+          for (int d = 0; d < D; ++d) {
+            unpack<KB>(kc + static_cast<size_t>(d) * kw, G, codes.data());
+            const float al = fa[d], be = fb[d];
+            for (int g = 0; g < G; ++g) codes[g] = fma(codes[g], al, be);
+            for (int r = 0; r < R; ++r) {
+              const float a = qh[r * D + d];
+              float* ar = acc.data() + static_cast<size_t>(r) * G;
+              for (int g = 0; g < G; ++g) ar[g] = fma(a, codes[g], ar[g]);
+            }
+          }
+          to_float(k_r + blk * G, G, fa.data());
+          for (int r = 0; r < R; ++r) {
+            float* sr = s.data() + static_cast<size_t>(r) * T + n + j * G;
+            const float* ar = acc.data() + static_cast<size_t>(r) * G;
+            for (int g = 0; g < G; ++g) sr[g] = fa[g] * ar[g];
+          }
+        }
+        // the validity mask, the softmax's numerator and denominator
+        for (int r = 0; r < R; ++r) {
+          const bool* m = mask + (static_cast<size_t>(b) * sh.M + (sh.M == 1 ? 0 : r)) * T;
+          float* sr = s.data() + static_cast<size_t>(r) * T;
+          for (int t = 0; t < T; ++t) sr[t] = m[t] ? sr[t] : NEG_INF;
+          const float top = row_max(sr, T);
+          for (int t = 0; t < T; ++t) sr[t] = exp_below(sr[t] - top);
+          total[r] = row_sum(sr, T);
+        }
+        // the weighted values: window, then records c_d * ((p * alpha) . codes[:, d] + p . beta)
+        float* oh = o + (static_cast<size_t>(b) * H + h) * R * D;
+        std::fill(oh, oh + static_cast<size_t>(R) * D, 0.0f);
+        for (int t = 0; t < n; ++t) {
+          const float* v = row_of(wv + static_cast<size_t>(t) * D, D, fa.data());
+          for (int r = 0; r < R; ++r) {
+            const float p = s[static_cast<size_t>(r) * T + t];
+            float* orow = oh + r * D;
+            for (int d = 0; d < D; ++d) orow[d] = fma(p, v[d], orow[d]);
+          }
+        }
+        for (int j = 0; j < nb; ++j) {  // records: c_d * sum_g p_g (code_gd alpha_g + beta_g)
+          const size_t blk = static_cast<size_t>(table[b * nb + j]) * H + h;
+          to_float(v_alpha + blk * G, G, fa.data());
+          to_float(v_beta + blk * G, G, fb.data());
+          std::fill(acc.begin(), acc.begin() + static_cast<size_t>(R) * D, 0.0f);
+          const uint32_t* vc = v_codes + blk * G * vw;
+          for (int g = 0; g < G; ++g) {
+            unpack<VB>(vc + static_cast<size_t>(g) * vw, D, codes.data());
+            const float al = fa[g], be = fb[g];
+            for (int d = 0; d < D; ++d) codes[d] = fma(codes[d], al, be);
+            for (int r = 0; r < R; ++r) {
+              const float p = s[static_cast<size_t>(r) * T + n + j * G + g];
+              float* ar = acc.data() + static_cast<size_t>(r) * D;
+              for (int d = 0; d < D; ++d) ar[d] = fma(p, codes[d], ar[d]);
+            }
+          }
+          to_float(v_c + blk * D, D, fa.data());
+          for (int r = 0; r < R; ++r) {
+            float* orow = oh + r * D;
+            const float* ar = acc.data() + static_cast<size_t>(r) * D;
+            for (int d = 0; d < D; ++d) orow[d] = fma(fa[d], ar[d], orow[d]);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const float inv = 1.0f / total[r];
+          for (int d = 0; d < D; ++d) oh[r * D + d] *= inv;
+        }
+      }
+    }
+    });
+  }
+};
+
+array decode_records(const array& q, const array& win_k, const array& win_v, const array& win_ids,
+                     const array& table, const array& mask, const array& k_codes, const array& k_alpha,
+                     const array& k_beta, const array& k_r, const array& v_codes, const array& v_alpha,
+                     const array& v_beta, const array& v_c, int win_len, int key_bits, int value_bits) {
+  auto s = to_stream(Device::cpu);
+  auto need = [](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("decode_records: ") + what);
+  };
+  need(q.ndim() == 4 && q.dtype() == float32, "q must be float32 [B, H, R, D]");
+  const int B = q.shape(0), H = q.shape(1), R = q.shape(2), D = q.shape(3);
+  need(win_k.ndim() == 4 && (win_k.dtype() == float32 || win_k.dtype() == float16) &&
+           win_v.dtype() == win_k.dtype() && win_k.shape(1) == H && win_k.shape(3) == D &&
+           win_v.shape() == win_k.shape(), "windows must be float32 or float16 [Nw, H, 2G, D]");
+  const int G = win_k.shape(2) / 2;
+  need(win_len >= 0 && win_len <= win_k.shape(2), "win_len out of range");
+  need(win_ids.dtype() == int32 && win_ids.size() == static_cast<size_t>(B), "win_ids must be int32 [B]");
+  need(table.dtype() == int32 && table.ndim() == 2 && table.shape(0) == B, "table must be int32 [B, nb]");
+  const int nb = table.shape(1);
+  need(mask.dtype() == bool_ && mask.ndim() == 3 && mask.shape(0) == B && (mask.shape(1) == 1 || mask.shape(1) == R) &&
+           mask.shape(2) == win_len + nb * G, "mask must be bool [B, 1 | R, win_len + nb * G]");
+  need((key_bits == 2 || key_bits == 4 || key_bits == 8) && (value_bits == 2 || value_bits == 4 || value_bits == 8),
+       "code widths must be 2, 4 or 8 bits");
+  need(k_codes.dtype() == uint32 && k_codes.ndim() == 4 && k_codes.shape(1) == H && k_codes.shape(2) == D &&
+           k_codes.shape(3) == G * key_bits / 32, "k_codes must be uint32 [N, H, D, G * key_bits / 32]");
+  need(v_codes.dtype() == uint32 && v_codes.ndim() == 4 && v_codes.shape(1) == H && v_codes.shape(2) == G &&
+           v_codes.shape(3) == D * value_bits / 32, "v_codes must be uint32 [N, H, G, D * value_bits / 32]");
+  const size_t N = k_codes.shape(0);
+  for (const array* f : {&k_alpha, &k_beta, &v_c})
+    need(f->dtype() == float16 && f->size() == N * H * D, "key factors and v_c must be float16 [N, H, D]");
+  for (const array* f : {&k_r, &v_alpha, &v_beta})
+    need(f->dtype() == float16 && f->size() == N * H * G, "k_r and value factors must be float16 [N, H, G]");
+  need(v_codes.shape(0) == static_cast<int>(N), "key and value records disagree on their count");
+  std::vector<array> inputs;
+  for (const array* a : {&q, &win_k, &win_v, &win_ids, &table, &mask, &k_codes, &k_alpha, &k_beta, &k_r, &v_codes,
+                         &v_alpha, &v_beta, &v_c})
+    inputs.push_back(contiguous(*a, false, s));
+  return array(q.shape(), float32, std::make_shared<DecodeRecords>(s, win_len, key_bits, value_bits), inputs);
+}
+
+}  // namespace
+
+NB_MODULE(_kvarn_cpu, m) {
+  m.doc() = "KVarN's CPU kernels (metal/cpu/src/kvarn_cpu.cpp)";
+  m.def("exp_rows", &exp_rows, nb::arg("scores"), nb::arg("top") = nb::none(),
+        "(exp(scores - top), row sums) for float32 scores [..., n]; top [..., 1] (default: each row's max)");
+  m.def("decode_records", &decode_records, nb::arg("q"), nb::arg("win_k"), nb::arg("win_v"), nb::arg("win_ids"),
+        nb::arg("table"), nb::arg("mask"), nb::arg("k_codes"), nb::arg("k_alpha"), nb::arg("k_beta"), nb::arg("k_r"),
+        nb::arg("v_codes"), nb::arg("v_alpha"), nb::arg("v_beta"), nb::arg("v_c"), nb::arg("win_len"),
+        nb::arg("key_bits"), nb::arg("value_bits"),
+        "One decode step's attention [B, H, R, D] over float32 windows and KVarN records (see the source)");
+}

@@ -1,0 +1,200 @@
+"""KVarN's CPU kernels (metal/cpu): built at first use (``metal.cpu.build``), they must match an
+independent float64 NumPy attention over the pool's records (the decode attention) and the
+pure-MLX exp bit for bit (the softmax's exp), inside ``mx.compile`` too; the selector uses them
+only once they built and passed their self-check, and otherwise says why and runs the pure-MLX
+paths."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from unittest import mock
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kvarn import attention, cpu_attention
+from kvarn.layout import KVLayout
+from kvarn.pool import LayerArrays
+from metal.cpu import build
+from metal.cpu.kernels import CpuKernels
+from metal.selector import CPU_NATIVE, REFERENCE, Kernels
+from tests.metal.cases import dequantize_block, make_case, max_rel_error, numpy_attention
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU kernels run where MLX runs on the CPU")
+
+# float32 against float64: each code dequantized before its product, fused multiply-adds (measured
+# 1e-7 .. 1e-6; the pure-MLX path, factored, reaches 1.4e-5 on the same rows)
+TOL = 5e-6
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    try:
+        return CpuKernels(build.load())
+    except build.Unavailable as exc:
+        pytest.fail(f"the CPU kernels do not build here: {exc}")
+
+
+CASES = {  # rows' token counts, KV heads, query heads a KV head, head_dim, tile, key bits, value bits
+    "k4v2-ragged": ([300, 1, 129, 700], 2, 4, 128, 128, 4, 2),
+    "k2v4-tile64": ([65, 64, 200], 2, 2, 64, 64, 2, 4),
+    "k8v8-one-row": ([900], 1, 8, 128, 128, 8, 8),
+    "k4v4-no-records": ([5, 128], 2, 2, 128, 128, 4, 4),
+}
+
+
+@pytest.mark.parametrize("window_dtype", [mx.float32, mx.float16], ids=["f32-windows", "f16-windows"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_attention_matches_a_float64_attention_over_the_records(kernels, name, window_dtype):
+    tokens, H, n_rep, D, G, kb, vb = CASES[name]
+    case = make_case(tokens, n_kv_heads=H, n_rep=n_rep, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb,
+                     dtype=mx.float32, window_dtype=window_dtype, seed=len(tokens))
+    out = kernels.paged_decode_attention(**case.kwargs())
+    assert out.shape == case.queries.shape and out.dtype == mx.float32
+    assert max_rel_error(np.array(out), numpy_attention(case)) < TOL
+
+
+def test_decode_attention_reads_a_mask_per_query_row(kernels):
+    """A mask [B, R, cols] (one per query head of a KV head): a row whose query heads see different
+    keys gets each its own softmax, as the float64 attention over what that head sees."""
+    case = make_case([400], n_kv_heads=1, n_rep=2, head_dim=128, tile_size=128, key_bits=4, value_bits=2,
+                     dtype=mx.float32, window_dtype=mx.float32, seed=3)
+    G, D = 128, 128
+    s = case.lengths.slots[0]
+    q = mx.random.normal((1, 1, 2, D), key=mx.random.key(0))
+    cols = 2 * G + 2 * G
+    seen = np.zeros((1, 2, cols), bool)
+    seen[0, 0, :G] = True  # query head 0: the sink only
+    seen[0, 1, :G] = seen[0, 1, 2 * G:] = True  # query head 1: the sink and both records
+    seen[0, 1, G: G + case.lengths.tail_len[0]] = True  # and the tail
+    out = kernels.decode_attention(q, case.records, case.win_k, case.win_v, mx.array([s], dtype=mx.int32),
+                                   case.table, mx.array(seen), win_len=2 * G, key_bits=4, value_bits=2)
+    wk, wv = np.array(case.win_k[s, 0]).astype(np.float64), np.array(case.win_v[s, 0]).astype(np.float64)
+    recs = [dequantize_block(case, blk, 0) for blk in case.tables[0]]
+    keys = np.concatenate([wk] + [k for k, _ in recs])
+    vals = np.concatenate([wv] + [v for _, v in recs])
+    qq = np.array(q[0, 0]).astype(np.float64)
+    for r in range(2):
+        sc = keys[seen[0, r]] @ qq[r]
+        p = np.exp(sc - sc.max())
+        want = (p / p.sum()) @ vals[seen[0, r]]
+        assert max_rel_error(np.array(out[0, 0, r]), want) < TOL
+
+
+def test_decode_attention_in_a_compiled_function_gives_the_same_bits(kernels):
+    case = make_case([300, 140], n_kv_heads=2, n_rep=2, head_dim=128, tile_size=128, key_bits=4, value_bits=2,
+                     dtype=mx.float32, window_dtype=mx.float32, seed=4)
+    eager = kernels.paged_decode_attention(**case.kwargs())
+    compiled = mx.compile(lambda q: kernels.paged_decode_attention(**{**case.kwargs(), "queries": q}))
+    assert mx.array_equal(compiled(case.queries), eager).item()
+
+
+def test_bad_inputs_are_refused_with_their_reason(kernels):
+    case = make_case([300], n_kv_heads=2, n_rep=2, head_dim=128, tile_size=128, key_bits=4, value_bits=2,
+                     dtype=mx.float32, window_dtype=mx.float32)
+    q = mx.zeros((1, 2, 2, 128))
+    good = dict(win_len=256, key_bits=4, value_bits=2)
+    ids = mx.array([case.lengths.slots[0]], dtype=mx.int32)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        kernels.decode_attention(q, case.records, case.win_k, case.win_v, ids, case.table,
+                                 mx.ones((1, 1, 7), mx.bool_), **good)
+    with pytest.raises(ValueError, match="code widths"):
+        kernels.decode_attention(q, case.records, case.win_k, case.win_v, ids, case.table,
+                                 mx.ones((1, 1, 384), mx.bool_), win_len=256, key_bits=3, value_bits=2)
+
+
+@pytest.mark.parametrize("given_top", [False, True])
+def test_the_softmax_exp_is_the_pure_mlx_exp_bit_for_bit(kernels, given_top):
+    scores = mx.random.normal((2, 3, 5, 1000), key=mx.random.key(1)) * 8
+    scores = mx.where(mx.random.uniform(shape=scores.shape, key=mx.random.key(2)) < 0.2, -mx.inf, scores)
+    top = mx.max(scores, axis=-1, keepdims=True)
+    weights, sums = kernels.exp_rows(scores, top if given_top else None)
+    want = cpu_attention._exp_below(scores, top)
+    assert mx.array_equal(weights, want).item()
+    assert sums.shape == (2, 3, 5, 1)
+    # float32 sums of 1,000 terms in another order (8 lanes): 1.3e-6 apart measured
+    assert mx.allclose(sums, mx.sum(want, axis=-1, keepdims=True), rtol=5e-6, atol=0).item()
+    compiled = mx.compile(lambda s: kernels.exp_rows(s)[0])
+    assert mx.array_equal(compiled(scores), kernels.exp_rows(scores)[0]).item()
+
+
+def test_the_seam_routes_cpu_decode_attention_to_the_kernel_when_it_runs():
+    """``kvarn.attention`` calls the kernel where the registry hands it out, the pure-MLX path where
+    it does not, and both agree."""
+    case = make_case([300, 20], n_kv_heads=2, n_rep=2, head_dim=128, tile_size=128, key_bits=4, value_bits=2,
+                     dtype=mx.float32, window_dtype=mx.float32, seed=6)
+    layout = KVLayout.kvarn("k4v2")
+    G = 128
+    a = LayerArrays(records=case.records, win_k=case.win_k, win_v=case.win_v)
+    L = case.lengths
+    mask = np.zeros((2, 1, 1, 2 * G + case.table.shape[1] * G), bool)
+    for b in range(2):
+        mask[b, ..., : L.sink_len[b]] = True
+        mask[b, ..., G: G + L.tail_len[b]] = True
+        mask[b, ..., 2 * G: 2 * G + L.num_tiles[b] * G] = True
+    kw = dict(windows=mx.array(L.slots, dtype=mx.int32), win_len=2 * G, table=case.table, mask=mx.array(mask))
+    registry = Kernels(backend=None)
+    with mock.patch.object(attention, "KERNELS", registry):
+        native = attention.decode_attention_over(case.queries, a, layout, case.scale, **kw)
+        assert registry.decided_cpu_path() == CPU_NATIVE
+    with mock.patch.object(registry, "cpu", lambda: None), mock.patch.object(cpu_attention, "KERNELS", registry):
+        with mock.patch.object(attention, "KERNELS", registry):
+            plain = attention.decode_attention_over(case.queries, a, layout, case.scale, **kw)
+    want = numpy_attention(case)
+    assert max_rel_error(np.array(native), want) < TOL
+    assert max_rel_error(np.array(plain), want) < 5e-5
+
+
+def test_the_registry_uses_the_kernels_once_built_and_checked(caplog):
+    registry = Kernels(backend=None)
+    with caplog.at_level(logging.WARNING):
+        first = registry.cpu()
+    assert isinstance(first, CpuKernels) and registry.cpu() is first
+    assert registry.decided_cpu_path() == CPU_NATIVE
+    assert not caplog.records
+
+
+def test_kernels_off_their_references_are_not_used(caplog):
+    registry = Kernels(backend=None)
+    with mock.patch("metal.selector.cpu_self_check", lambda kernels: 0.5), caplog.at_level(logging.WARNING):
+        assert registry.cpu() is None
+    assert registry.decided_cpu_path() == REFERENCE
+    assert "off their references" in caplog.text
+
+
+def test_switched_off_or_unbuildable_kernels_give_the_pure_mlx_paths_with_the_reason(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv(build.DISABLE_ENV, "0")
+    registry = Kernels(backend=None)
+    with caplog.at_level(logging.WARNING):
+        assert registry.cpu() is None
+    assert "KVARN_CPU_KERNELS=0" in caplog.text
+    monkeypatch.delenv(build.DISABLE_ENV)
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")  # a compiler that fails
+    with pytest.raises(build.Unavailable, match="the build failed"):
+        build.load()
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built is left to load
+
+
+def test_asked_first_inside_a_trace_the_verdict_is_decided_and_the_kernels_run_there():
+    """The self-check evaluates arrays of its own, so a first ask inside ``mx.compile``'s trace
+    decides as anywhere else, and the traced function runs the kernel."""
+    registry = Kernels(backend=None)
+    scores = mx.random.normal((4, 300), key=mx.random.key(3))
+
+    def traced(x):
+        return registry.cpu().exp_rows(x)[0]
+
+    out = mx.compile(traced)(scores)
+    assert registry.decided_cpu_path() == CPU_NATIVE
+    assert mx.array_equal(out, cpu_attention._exp_below(scores, mx.max(scores, axis=-1, keepdims=True))).item()
+
+
+def test_a_built_library_is_reused_not_rebuilt(kernels):
+    """A second load finds the library of the same source, flags and versions in the cache."""
+    path = Path(kernels.module.__file__)
+    before = path.stat().st_mtime_ns
+    again = build.load()
+    assert Path(again.__file__) == path and path.stat().st_mtime_ns == before
