@@ -38,11 +38,11 @@ A structure is compiled once it recurs: an ordinary step after ``compile_after``
 at its first: the warm-up takes the common ones before serving; on the CPU at its third, where
 tracing one costs 0.04-0.3 s, 10-20 steps, and an uncompiled step ~1.1x a compiled one: a batch
 ramping up through its row buckets, a step each, traced 11 graphs for a wave of 16 chats), a step
-that commits KVarN tiles only after ``commit_after`` uses. A commit graph holds the quantizer (~200 operations a
+that commits KVarN tiles through the pure-MLX quantizer only after ``commit_after`` uses. A commit graph holds the quantizer (~200 operations a
 layer): tracing and compiling one took 1.7-3.5 s here, and at one user's pace a given commit
 structure (rows, table width, tiles) comes back a few times per context, so it runs uncompiled;
 on a busy server every step commits someone's tile and the same structures recur constantly. Where
-the fused commit kernel quantizes (CUDA, Metal: one launch a layer, nothing to fuse), a commit
+a commit kernel quantizes (CUDA, Metal, the CPU's: one operation a layer, nothing to fuse), a commit
 structure compiles at its first use like any other. Steps the storage cannot plan as
 arrays for one graph (models with layers of their own; slot rows attending one by one on a GPU)
 return None: the runner runs the forward through the batch caches, whose storage takes the same
@@ -75,7 +75,7 @@ from kvarn.layout import KVLayout
 from kvarn.rows import RowStore, begin_verify, make_batch_cache, paged_row, plan_decode, verifies_in_batch
 from kvarn.attention import forward_context
 from metal import KERNELS
-from metal.selector import FUSED
+from metal.selector import KERNEL_COMMITS
 
 logger = logging.getLogger(__name__)
 
@@ -582,7 +582,8 @@ class DecodeGraphs:
         if key not in self._uses and len(self._uses) > 8 * self.capacity:  # forget structures long unused
             self._uses = Counter({k: n for k, n in self._uses.items() if k in self._graphs})
         self._uses[key] += 1
-        after = self.commit_after if plan.commits and KERNELS.decided_commit_path() not in FUSED else self.compile_after
+        after = self.commit_after if plan.commits and KERNELS.decided_commit_path() not in KERNEL_COMMITS \
+            else self.compile_after
         compiled = self.compile and plan.padded <= ROW_BUCKETS[-1] and (key in self._graphs or self._uses[key] > after)
         fn = self._graph(key, plan) if compiled else self._step(plan.build, plan.static)
         self.steps += 1

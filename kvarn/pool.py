@@ -101,10 +101,11 @@ def block_nbytes(layout: KVLayout, H: int, D: int) -> int:
 def quantize_blocks(keys: mx.array, values: mx.array, layout: KVLayout) -> dict[str, mx.array]:
     """Quantize rotated float16 tiles [n, H, G, D] into n blocks (block-major record fields).
 
-    Where ``metal.KERNELS`` has a fused commit for the layout (it has the layout's template and
+    Where ``metal.KERNELS`` has a commit kernel for the layout (it has the layout's template and
     passed its self-check against this module's quantizer: ``metal.cuda.commit.quantize_tiles`` on
-    CUDA, the same bytes (tested); its Metal twin on an Apple GPU), one launch for every tile, head,
-    K and V. Elsewhere the pure-MLX quantizer (``quantize_blocks_reference``)."""
+    CUDA, the same bytes (tested); its Metal twin on an Apple GPU; on the CPU the C++ quantizer of
+    ``metal.cpu``, the same bytes), one operation for every tile, head, K and V. Elsewhere the
+    pure-MLX quantizer (``quantize_blocks_reference``)."""
     kernel = _commit_kernel(layout, keys.shape[3])
     if kernel is not None:
         return kernel.tiles(keys=keys, values=values, key_bits=layout.key_bits, value_bits=layout.value_bits,

@@ -7,21 +7,23 @@ reference, with one logged warning per kind of kernel. A verdict never changes a
 
     kind of kernel   key                                          verdicts
     paged_decode     ()                                           cuda-fused | metal-fused | reference
-    commit           (head_dim, tile_size, key_bits, value_bits, iters)   cuda-fused | metal-fused | reference
+    commit           (head_dim, tile_size, key_bits, value_bits, iters)   cuda-fused | metal-fused | cpu-native | reference
     ragged_decode    ()                                           cuda-fused | reference
     cpu              ()                                           cpu-native | reference
 
 The CPU's kernels (``metal.cpu``: KVarN's decode attention, the softmax's exp) are one verdict:
 built at first use on this machine (``metal.cpu.build``), then checked against the pure-MLX
 references in float32 (the self-check's arrays are its own, so it runs inside an ``mx.compile``
-trace too). The engine decides it when it is made.
+trace too). The engine decides it when it is made. Their quantizer is then a commit like the GPUs'
+fused ones: checked per layout against the pure-MLX quantizer (``commit_self_check``), verdict
+"cpu-native".
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import NamedTuple
 
@@ -41,6 +43,7 @@ COMMIT_SELF_CHECK_FACTORS = 1e-2  # max |kernel - reference| / max |reference| p
 CPU_SELF_CHECK_TOLERANCE = 1e-4  # float32 against float32: summation order only (~1e-7 measured)
 FUSED = ("cuda-fused", "metal-fused")
 CPU_NATIVE = "cpu-native"
+KERNEL_COMMITS = (*FUSED, CPU_NATIVE)  # commit verdicts that run one kernel, not the pure-MLX quantizer
 REFERENCE = "reference"
 
 
@@ -66,6 +69,9 @@ class Backend:
     ragged_decode: Callable[..., mx.array] | None = None
     ragged_decode_supported: Callable[..., bool] | None = None
     ragged_plan: Callable | None = None
+
+
+CPU_BACKEND = Backend("CPU", CPU_NATIVE)  # the CPU's quantizer checked as the GPUs' fused commits are
 
 
 def cuda_backend() -> Backend:
@@ -99,7 +105,8 @@ class Decision:
 class Kernels:
     """The verdicts of one process (or of one test): one dict from (kind of kernel, *key) to its
     ``Decision``, each made once, at first use, on the thread that runs the kernels. ``backend``:
-    "auto" (detected at the first decision), a ``Backend``, or None (every verdict the reference).
+    "auto" (detected at the first decision; on the CPU, its kernels), a ``Backend``, or None (every
+    verdict the reference).
     The ``decided_*`` readers never decide, so other threads may ask them."""
 
     def __init__(self, backend: Backend | None | str = "auto"):
@@ -186,6 +193,9 @@ class Kernels:
 
     def _decide_commit(self, reference, head_dim, tile_size, key_bits, value_bits, iters) -> tuple[str, tuple | None]:
         b = self.backend
+        cpu = self._cpu_commit(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits)
+        if cpu is not None:  # checked as a GPU's fused commit is (it takes the layout: _cpu_commit asked)
+            b = replace(CPU_BACKEND, commit=cpu, commit_supported=lambda **layout: True)
         if b is None or b.commit is None:
             return REFERENCE, ("kvarn: no GPU backend with a fused commit kernel; KVarN commits run the pure-MLX "
                                "quantizer",)
@@ -209,7 +219,17 @@ class Kernels:
         the caller runs ``reference``'s quantizer."""
         path = self.commit_path(reference=reference, head_dim=head_dim, tile_size=tile_size, key_bits=key_bits,
                                 value_bits=value_bits, iters=iters)
+        if path == CPU_NATIVE:
+            return self._cpu_commit(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits)
         return self.backend.commit if path in FUSED else None
+
+    def _cpu_commit(self, **layout: int) -> CommitKernel | None:
+        """The CPU's quantizer behind the commit's signatures, where the CPU kernels run and take
+        the layout."""
+        kernels = self.cpu() if self.backend is None else None
+        if kernels is None or not kernels.quantizes(**layout):
+            return None
+        return CommitKernel(kernels.quantize_tiles, kernels.quantize_window_tails)
 
     def decided_commit_path(self) -> str | None:
         """The first verdict ``commit_path`` reached, else None."""
@@ -262,9 +282,9 @@ class Kernels:
     # ---- the CPU's kernels ----
     def cpu(self) -> CpuKernels | None:
         """KVarN's CPU kernels (``metal.cpu.kernels.CpuKernels``) where MLX runs on the CPU and
-        they built and passed their self-check; else None (the pure-MLX paths run). Decides the
-        verdict at the first call."""
-        if mx.default_device() != mx.cpu:
+        they built and passed their self-check; else None (the pure-MLX paths run; always with
+        ``backend=None``: no kernels at all). Decides the verdict at the first call."""
+        if mx.default_device() != mx.cpu or self._backend_arg is None:
             return None
         key = ("cpu",)
         if key not in self._decisions:

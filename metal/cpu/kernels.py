@@ -9,6 +9,7 @@ from types import ModuleType
 import mlx.core as mx
 
 from metal.paged_plan import RowLengths
+from metal.records import RECORD_FIELDS
 from metal.reference import hadamard
 
 WIDTHS = (2, 4, 8)  # code widths whose codes never straddle a 32-bit word
@@ -25,6 +26,27 @@ class CpuKernels:
         """Whether ``decode_attention`` takes this layout: one 128-channel slice a head (or a
         64-channel head), codes within a word."""
         return head_dim in (64, 128) and key_bits in WIDTHS and value_bits in WIDTHS
+
+    @staticmethod
+    def quantizes(*, head_dim: int, tile_size: int, key_bits: int, value_bits: int) -> bool:
+        """Whether ``quantize_tiles`` takes this layout: one slice a head, codes filling whole words."""
+        return (head_dim in (64, 128) and key_bits in WIDTHS and value_bits in WIDTHS
+                and (tile_size * key_bits) % 32 == 0 and tile_size >= 2)
+
+    def quantize_tiles(self, *, keys: mx.array, values: mx.array, key_bits: int, value_bits: int,
+                       iters: int) -> dict[str, mx.array]:
+        """The record fields (block-major, ``metal.records.RECORD_FIELDS``) of rotated tiles
+        [n, H, G, D] (float16 or float32): ``metal.cuda.commit.quantize_tiles``' signature, the
+        pure-MLX quantizer's bytes."""
+        return dict(zip(RECORD_FIELDS, self.module.quantize_tiles(keys, values, key_bits, value_bits, iters)))
+
+    def quantize_window_tails(self, *, win_k: mx.array, win_v: mx.array, slots: mx.array, key_bits: int,
+                              value_bits: int, iters: int) -> dict[str, mx.array]:
+        """``quantize_tiles`` of the tails of windows ``slots`` ([n] int32) of window buffers
+        [Nw, H, 2G, D]: a decode step's commit (``metal.cuda.commit.quantize_window_tails``' signature)."""
+        G = win_k.shape[2] // 2
+        return self.quantize_tiles(keys=win_k[slots][:, :, G:], values=win_v[slots][:, :, G:], key_bits=key_bits,
+                                   value_bits=value_bits, iters=iters)
 
     def exp_rows(self, scores: mx.array, top: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """(exp(scores - top), their sums [..., 1]) for float32 ``scores`` [..., n]; ``top``

@@ -146,11 +146,14 @@ def test_supported_layouts():
     assert C.shared_bytes(128, 128) <= 100_000
 
 
-def test_verdict_off_cuda_never_calls_the_reference():
+def test_verdict_without_a_kernel_never_calls_the_reference():
+    """No kernel to check (no GPU backend, and no CPU kernels: ``backend=None``; on the CPU the
+    commit is the C++ quantizer's, tests/metal/test_cpu_kernels.py): the reference is the verdict
+    and is never called."""
     if HAS_CUDA:
         pytest.skip("a CUDA device is present: test_commit_path_on_cuda covers it")
     called = []
-    kernels = Kernels()
+    kernels = Kernels(backend=None)
     path = kernels.commit_path(reference=lambda **kw: called.append(1), head_dim=64, tile_size=64)
     assert path == "reference" and not called
     assert kernels.decided_commit_path() == "reference"

@@ -16,7 +16,7 @@ import pytest
 
 from kvarn import attention, cpu_attention
 from kvarn.layout import KVLayout
-from kvarn.pool import LayerArrays
+from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks_reference
 from metal.cpu import build
 from metal.cpu.kernels import CpuKernels
 from metal.selector import CPU_NATIVE, REFERENCE, Kernels
@@ -135,7 +135,7 @@ def test_the_seam_routes_cpu_decode_attention_to_the_kernel_when_it_runs():
         mask[b, ..., G: G + L.tail_len[b]] = True
         mask[b, ..., 2 * G: 2 * G + L.num_tiles[b] * G] = True
     kw = dict(windows=mx.array(L.slots, dtype=mx.int32), win_len=2 * G, table=case.table, mask=mx.array(mask))
-    registry = Kernels(backend=None)
+    registry = Kernels()
     with mock.patch.object(attention, "KERNELS", registry):
         native = attention.decode_attention_over(case.queries, a, layout, case.scale, **kw)
         assert registry.decided_cpu_path() == CPU_NATIVE
@@ -148,7 +148,7 @@ def test_the_seam_routes_cpu_decode_attention_to_the_kernel_when_it_runs():
 
 
 def test_the_registry_uses_the_kernels_once_built_and_checked(caplog):
-    registry = Kernels(backend=None)
+    registry = Kernels()
     with caplog.at_level(logging.WARNING):
         first = registry.cpu()
     assert isinstance(first, CpuKernels) and registry.cpu() is first
@@ -157,7 +157,7 @@ def test_the_registry_uses_the_kernels_once_built_and_checked(caplog):
 
 
 def test_kernels_off_their_references_are_not_used(caplog):
-    registry = Kernels(backend=None)
+    registry = Kernels()
     with mock.patch("metal.selector.cpu_self_check", lambda kernels: 0.5), caplog.at_level(logging.WARNING):
         assert registry.cpu() is None
     assert registry.decided_cpu_path() == REFERENCE
@@ -166,7 +166,7 @@ def test_kernels_off_their_references_are_not_used(caplog):
 
 def test_switched_off_or_unbuildable_kernels_give_the_pure_mlx_paths_with_the_reason(caplog, monkeypatch, tmp_path):
     monkeypatch.setenv(build.DISABLE_ENV, "0")
-    registry = Kernels(backend=None)
+    registry = Kernels()
     with caplog.at_level(logging.WARNING):
         assert registry.cpu() is None
     assert "KVARN_CPU_KERNELS=0" in caplog.text
@@ -181,7 +181,7 @@ def test_switched_off_or_unbuildable_kernels_give_the_pure_mlx_paths_with_the_re
 def test_asked_first_inside_a_trace_the_verdict_is_decided_and_the_kernels_run_there():
     """The self-check evaluates arrays of its own, so a first ask inside ``mx.compile``'s trace
     decides as anywhere else, and the traced function runs the kernel."""
-    registry = Kernels(backend=None)
+    registry = Kernels()
     scores = mx.random.normal((4, 300), key=mx.random.key(3))
 
     def traced(x):
@@ -198,3 +198,43 @@ def test_a_built_library_is_reused_not_rebuilt(kernels):
     before = path.stat().st_mtime_ns
     again = build.load()
     assert Path(again.__file__) == path and path.stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("preset,G", [("k4v2", 128), ("k2v4", 64), ("k8v8", 128), ("k4v4", 64)])
+def test_the_quantizer_gives_the_pure_mlx_quantizers_bytes(kernels, preset, G):
+    """Every record field, byte for byte, on tiles with uneven channels and one channel far off
+    zero (the case the float64 moments are for)."""
+    layout = KVLayout.kvarn(preset, tile_size=G)
+    rng = np.random.default_rng(G)
+    n, H, D = 3, 2, G
+    keys = rng.standard_normal((n, H, G, D)) * rng.uniform(0.2, 3.0, (1, H, 1, D))
+    keys[..., 5] += 40.0
+    keys, values = mx.array(keys.astype(np.float16)), mx.array(rng.standard_normal((n, H, G, D)).astype(np.float16))
+    got = kernels.quantize_tiles(keys=keys, values=values, key_bits=layout.key_bits, value_bits=layout.value_bits,
+                                 iters=layout.iters)
+    want = quantize_blocks_reference(keys, values, layout)
+    for name in RECORD_FIELDS:
+        assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, name
+        assert mx.array_equal(got[name], want[name]).item(), name
+
+
+def test_on_the_cpu_the_commit_is_the_cpp_quantizer_checked_against_the_reference():
+    registry = Kernels()
+    called = []
+
+    def reference(**kw):
+        called.append(1)
+        layout = KVLayout(scheme="kvarn", key_bits=kw["key_bits"], value_bits=kw["value_bits"],
+                          tile_size=kw["keys"].shape[2], iters=kw["iters"])
+        return quantize_blocks_reference(kw["keys"], kw["values"], layout)
+
+    assert registry.commit_path(reference=reference, head_dim=128, tile_size=128) == CPU_NATIVE
+    assert called  # the self-check ran it
+    commit = registry.commit(reference=reference, head_dim=128, tile_size=128, key_bits=4, value_bits=2, iters=8)
+    assert commit is not None
+    windows = mx.random.normal((3, 2, 256, 128), key=mx.random.key(9))
+    tails = commit.window_tails(win_k=windows, win_v=windows * 0.5, slots=mx.array([2, 0], dtype=mx.int32),
+                                key_bits=4, value_bits=2, iters=8)
+    want = commit.tiles(keys=windows[mx.array([2, 0])][:, :, 128:], values=(windows * 0.5)[mx.array([2, 0])][:, :, 128:],
+                        key_bits=4, value_bits=2, iters=8)
+    assert all(mx.array_equal(tails[name], want[name]).item() for name in RECORD_FIELDS)

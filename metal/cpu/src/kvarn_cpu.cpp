@@ -9,6 +9,8 @@
 //                  records (2-, 4- or 8-bit codes, float16 factors): scores, softmax and the weighted
 //                  values in one pass a (row, KV head), each code dequantized in registers; the pure-MLX twin is
 //                  kvarn.attention._quantized_matmul_attention.
+//   QuantizeTiles  the KVarN quantizer of rotated tiles (normalize, round, pack) into record fields;
+//                  the pure-MLX twin is kvarn.pool.quantize_blocks_reference.
 //   ExpRows        exp(scores - top) a row, top the row's max or given, and the row sums: a softmax's
 //                  numerator and denominator; the pure-MLX twin is kvarn.cpu_attention._exp_below
 //                  (the same polynomial, the same bits: built without contraction into FMAs).
@@ -32,6 +34,7 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/unary_ops.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
@@ -455,6 +458,231 @@ array decode_records(const array& q, const array& win_k, const array& win_v, con
   return array(q.shape(), float32, std::make_shared<DecodeRecords>(s, win_len, key_bits, value_bits), inputs);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// QuantizeTiles: rotated tiles keys, values [n, H, G, D] (float16 or float32; D <= 128: one slice)
+// -> the 8 record fields, block-major (kvarn.pool._quantize_blocks):
+//   k_codes [n, H, 1, D, G*kb/32] u32   k_alpha, k_beta [n, H, 1, D] f16   k_r [n, H, 1, G] f16
+//   v_codes [n, H, G, D*vb/32] u32      v_alpha, v_beta [n, H, G, 1] f16   v_c [n, H, D] f16
+// Each K tile (x^T: rows channels, columns tokens) and V tile (x: rows tokens, columns channels)
+// is normalized, rounded and packed as kvarn.quantize does it, operation for operation: float32
+// where it is float32, its stds from float64 moments, MLX's own exp and log (so the same bits
+// but for the order of the float64 sums, which the pure-MLX path leaves to OpenBLAS).
+constexpr float STD_MIN = 1e-3f, STD_MAX = 1e3f, LOG_MIN = -0.3f, LOG_MAX = 10.0f;
+constexpr float IMBALANCE_FLOOR = 1e-8f, STEP_MIN = 1e-10f;
+
+inline float mlx_exp(float x) {
+  return mlx::core::detail::Exp{}(x);
+}
+inline double mlx_exp(double x) {  // MLX's CPU exp of a float64: computed in float32
+  return mlx::core::detail::Exp{}(x);
+}
+inline float mlx_log(float x) {
+  return mlx::core::detail::Log{}(x);
+}
+inline float clip(float x, float lo, float hi) {
+  return std::min(std::max(x, lo), hi);
+}
+
+// Sample std (float64) along rows (by_rows: of row i over its columns, column scales w) or
+// along columns, of m_ij * w, from the moments x = m, x2 = m^2.
+void moment_std(const double* x, const double* x2, int R, int C, const float* log_scale, bool by_rows, double* out,
+                double* w, double* w2) {
+  const int n = by_rows ? C : R;
+  for (int k = 0; k < n; ++k) {
+    w[k] = mlx_exp(-static_cast<double>(log_scale[k]));
+    w2[k] = w[k] * w[k];
+  }
+  if (by_rows) {
+    for (int i = 0; i < R; ++i) {
+      double s1 = 0.0, s2 = 0.0;
+      for (int j = 0; j < C; ++j) {
+        s1 += x[i * C + j] * w[j];
+        s2 += x2[i * C + j] * w2[j];
+      }
+      const double var = (s2 - s1 * s1 / n) / (n - 1);
+      out[i] = std::sqrt(std::max(var, 0.0));
+    }
+  } else {
+    std::vector<double> s1(C, 0.0), s2(C, 0.0);
+    for (int i = 0; i < R; ++i)
+      for (int j = 0; j < C; ++j) {
+        s1[j] += w[i] * x[i * C + j];
+        s2[j] += w2[i] * x2[i * C + j];
+      }
+    for (int j = 0; j < C; ++j) {
+      const double var = (s2[j] - s1[j] * s1[j] / n) / (n - 1);
+      out[j] = std::sqrt(std::max(var, 0.0));
+    }
+  }
+}
+
+float imbalance(const float* col_std, int C, const float* row_std, int R) {
+  auto ratio = [](const float* v, int n) {
+    float hi = v[0], lo = v[0];
+    for (int k = 1; k < n; ++k) {
+      hi = std::max(hi, v[k]);
+      lo = std::min(lo, v[k]);
+    }
+    return hi / std::max(lo, IMBALANCE_FLOOR);
+  };
+  return ratio(col_std, C) + ratio(row_std, R);
+}
+
+// kvarn.quantize.normalize (the moments form): the best (log_row [R], log_col [C]) of iters steps
+void normalize(const float* m, int R, int C, int iters, float* best_row, float* best_col) {
+  std::vector<double> x(static_cast<size_t>(R) * C), x2(x.size()), w(std::max(R, C)), w2(w.size()), col64(C),
+      row64(R), unscaled(R);
+  for (size_t k = 0; k < x.size(); ++k) {
+    x[k] = m[k];
+    x2[k] = x[k] * x[k];
+  }
+  std::vector<float> log_row(R, 0.0f), log_col(C, 0.0f), col_std(C), row_std(R);
+  moment_std(x.data(), x2.data(), R, C, log_row.data(), false, col64.data(), w.data(), w2.data());
+  moment_std(x.data(), x2.data(), R, C, log_col.data(), true, row64.data(), w.data(), w2.data());
+  for (int j = 0; j < C; ++j) col_std[j] = static_cast<float>(col64[j]);
+  for (int i = 0; i < R; ++i) row_std[i] = static_cast<float>(row64[i]);
+  float best = imbalance(col_std.data(), C, row_std.data(), R);
+  std::copy(log_row.begin(), log_row.end(), best_row);
+  std::copy(log_col.begin(), log_col.end(), best_col);
+  for (int it = 0; it < iters; ++it) {
+    for (int j = 0; j < C; ++j) log_col[j] = clip(log_col[j] + mlx_log(clip(col_std[j], STD_MIN, STD_MAX)), LOG_MIN, LOG_MAX);
+    moment_std(x.data(), x2.data(), R, C, log_col.data(), true, unscaled.data(), w.data(), w2.data());
+    for (int i = 0; i < R; ++i) {
+      const float std = static_cast<float>(unscaled[i] / mlx_exp(static_cast<double>(log_row[i])));
+      log_row[i] = clip(log_row[i] + mlx_log(clip(std, STD_MIN, STD_MAX)), LOG_MIN, LOG_MAX);
+    }
+    moment_std(x.data(), x2.data(), R, C, log_row.data(), false, col64.data(), w.data(), w2.data());
+    for (int j = 0; j < C; ++j) col_std[j] = static_cast<float>(col64[j] / mlx_exp(static_cast<double>(log_col[j])));
+    for (int i = 0; i < R; ++i) row_std[i] = static_cast<float>(unscaled[i] / mlx_exp(static_cast<double>(log_row[i])));
+    const float imb = imbalance(col_std.data(), C, row_std.data(), R);
+    if (imb <= best) {  // ties go to the later iterate
+      best = imb;
+      std::copy(log_row.begin(), log_row.end(), best_row);
+      std::copy(log_col.begin(), log_col.end(), best_col);
+    }
+  }
+}
+
+inline uint16_t to_half(float x) {
+  return static_cast<float16_t>(x).bits_;
+}
+
+// One tile matrix m [R, C]: codes packed along each row (codes_out [R, C*bits/32]), per-row
+// alpha = e_i * step_i and beta = e_i * lo_i, per-column scale f_j (float16 bits).
+void quantize_matrix(const float* m, int R, int C, int bits, int iters, uint32_t* codes_out, uint16_t* alpha,
+                     uint16_t* beta, uint16_t* col_scale_out) {
+  std::vector<float> log_row(R), log_col(C), balanced(C);
+  normalize(m, R, C, iters, log_row.data(), log_col.data());
+  std::vector<float> col_scale(C);
+  for (int j = 0; j < C; ++j) col_scale[j] = mlx_exp(log_col[j]);
+  const float levels = static_cast<float>((1 << bits) - 1);
+  const int per_word = 32 / bits, words = C * bits / 32;
+  for (int i = 0; i < R; ++i) {
+    const float row_scale = mlx_exp(log_row[i]);
+    float lo = INFINITY, hi = -INFINITY;
+    for (int j = 0; j < C; ++j) {
+      balanced[j] = m[i * C + j] / col_scale[j] / row_scale;
+      lo = std::min(lo, balanced[j]);
+      hi = std::max(hi, balanced[j]);
+    }
+    const float step = std::max((hi - lo) / levels, STEP_MIN);
+    uint32_t* row_codes = codes_out + static_cast<size_t>(i) * words;
+    std::fill(row_codes, row_codes + words, 0u);
+    for (int j = 0; j < C; ++j) {
+      const float code = clip(std::rint((balanced[j] - lo) / step), 0.0f, levels);
+      row_codes[j / per_word] |= static_cast<uint32_t>(code) << (bits * (j % per_word));
+    }
+    alpha[i] = to_half(row_scale * step);
+    beta[i] = to_half(row_scale * lo);
+  }
+  for (int j = 0; j < C; ++j) col_scale_out[j] = to_half(col_scale[j]);
+}
+
+class QuantizeTiles : public Primitive {
+ public:
+  QuantizeTiles(Stream s, int key_bits, int value_bits, int iters)
+      : Primitive(s), key_bits_(key_bits), value_bits_(value_bits), iters_(iters) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outs) override {
+    for (auto& o : outs) o.set_data(allocator::malloc(o.nbytes()));
+    const int n = in[0].shape(0), H = in[0].shape(1), G = in[0].shape(2), D = in[0].shape(3);
+    const bool f16 = in[0].dtype() == float16;
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : in) encoder.set_input_array(a);
+    for (auto& o : outs) encoder.set_output_array(o);
+    std::vector<void*> ptr;
+    for (auto& o : outs) ptr.push_back(o.data<void>());
+    encoder.dispatch([=, k = in[0].data<void>(), v = in[1].data<void>(), kb = key_bits_, vb = value_bits_,
+                      iters = iters_]() {
+      auto* k_codes = static_cast<uint32_t*>(ptr[0]);
+      auto* k_alpha = static_cast<uint16_t*>(ptr[1]);
+      auto* k_beta = static_cast<uint16_t*>(ptr[2]);
+      auto* k_r = static_cast<uint16_t*>(ptr[3]);
+      auto* v_codes = static_cast<uint32_t*>(ptr[4]);
+      auto* v_alpha = static_cast<uint16_t*>(ptr[5]);
+      auto* v_beta = static_cast<uint16_t*>(ptr[6]);
+      auto* v_c = static_cast<uint16_t*>(ptr[7]);
+      // one (tile, head, K or V) an item
+      parallel_for(static_cast<int64_t>(n) * H * 2, static_cast<int64_t>(40) * G * D, [&](int64_t lo, int64_t hi) {
+        std::vector<float> x(static_cast<size_t>(G) * D), m(x.size());
+        for (int64_t item = lo; item < hi; ++item) {
+          const int64_t th = item / 2;  // tile * H + head
+          const bool is_key = item % 2 == 0;
+          const size_t base = static_cast<size_t>(th) * G * D;
+          const void* src = is_key ? k : v;
+          if (f16)
+            to_float(static_cast<const float16_t*>(src) + base, G * D, x.data());
+          else
+            std::copy(static_cast<const float*>(src) + base, static_cast<const float*>(src) + base + G * D, x.begin());
+          if (is_key) {  // M = x^T: rows channels d, columns tokens g
+            for (int g = 0; g < G; ++g)
+              for (int d = 0; d < D; ++d) m[static_cast<size_t>(d) * G + g] = x[static_cast<size_t>(g) * D + d];
+            quantize_matrix(m.data(), D, G, kb, iters, k_codes + th * D * (G * kb / 32), k_alpha + th * D,
+                            k_beta + th * D, k_r + th * G);
+          } else {  // M = x: rows tokens g, columns channels d
+            quantize_matrix(x.data(), G, D, vb, iters, v_codes + th * G * (D * vb / 32), v_alpha + th * G,
+                            v_beta + th * G, v_c + th * D);
+          }
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("QuantizeTiles runs on the CPU only");
+  }
+  const char* name() const override { return "KvarnQuantizeTiles"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const QuantizeTiles&>(other);
+    return key_bits_ == o.key_bits_ && value_bits_ == o.value_bits_ && iters_ == o.iters_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& in) override {
+    const int n = in[0].shape(0), H = in[0].shape(1), G = in[0].shape(2), D = in[0].shape(3);
+    return {{n, H, 1, D, G * key_bits_ / 32}, {n, H, 1, D}, {n, H, 1, D}, {n, H, 1, G},
+            {n, H, G, D * value_bits_ / 32}, {n, H, G, 1}, {n, H, G, 1}, {n, H, D}};
+  }
+
+ private:
+  int key_bits_, value_bits_, iters_;
+};
+
+std::vector<array> quantize_tiles(const array& keys, const array& values, int key_bits, int value_bits, int iters) {
+  auto s = to_stream(Device::cpu);
+  if (keys.ndim() != 4 || keys.shape() != values.shape() || keys.dtype() != values.dtype() ||
+      (keys.dtype() != float16 && keys.dtype() != float32))
+    throw std::invalid_argument("quantize_tiles: keys and values must be float16 or float32 [n, H, G, D] alike");
+  const int G = keys.shape(2), D = keys.shape(3);
+  if (D > 128 || (G * key_bits) % 32 || (D * value_bits) % 32 || !(key_bits == 2 || key_bits == 4 || key_bits == 8) ||
+      !(value_bits == 2 || value_bits == 4 || value_bits == 8) || G < 2 || D < 2)
+    throw std::invalid_argument("quantize_tiles: D <= 128 (one slice) and 2-, 4- or 8-bit codes filling whole words");
+  const int n = keys.shape(0), H = keys.shape(1);
+  std::vector<Shape> shapes = {{n, H, 1, D, G * key_bits / 32}, {n, H, 1, D}, {n, H, 1, D}, {n, H, 1, G},
+                               {n, H, G, D * value_bits / 32}, {n, H, G, 1}, {n, H, G, 1}, {n, H, D}};
+  std::vector<Dtype> dtypes = {uint32, float16, float16, float16, uint32, float16, float16, float16};
+  return array::make_arrays(shapes, dtypes, std::make_shared<QuantizeTiles>(s, key_bits, value_bits, iters),
+                            {contiguous(keys, false, s), contiguous(values, false, s)});
+}
+
 }  // namespace
 
 NB_MODULE(_kvarn_cpu, m) {
@@ -466,4 +694,7 @@ NB_MODULE(_kvarn_cpu, m) {
         nb::arg("v_codes"), nb::arg("v_alpha"), nb::arg("v_beta"), nb::arg("v_c"), nb::arg("win_len"),
         nb::arg("key_bits"), nb::arg("value_bits"),
         "One decode step's attention [B, H, R, D] over float32 windows and KVarN records (see the source)");
+  m.def("quantize_tiles", &quantize_tiles, nb::arg("keys"), nb::arg("values"), nb::arg("key_bits"),
+        nb::arg("value_bits"), nb::arg("iters"),
+        "The record fields (block-major, kvarn.pool's order) of rotated tiles [n, H, G, D], D <= 128");
 }
