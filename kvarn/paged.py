@@ -37,6 +37,7 @@ from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks, \
     record_shapes
 from kvarn.window import evicted_records
+from metal import KERNELS
 
 
 class PagedRow:
@@ -393,7 +394,13 @@ class PagedLayer(_BaseCache):
         if not blocks:
             return sink_k, sink_v, None, None
         table = mx.array(blocks, dtype=mx.int32)[None]
-        rec_k, rec_v = dequantize_blocks(self.row.pool.gather_records(self.l, table), self.layout, dtype)
+        kernels = KERNELS.cpu() if dtype == mx.float32 else None
+        if kernels is not None and kernels.is_supported(head_dim=a.win_k.shape[-1], key_bits=self.layout.key_bits,
+                                                        value_bits=self.layout.value_bits):
+            rec_k, rec_v = kernels.dequantize_records(a.records, table, key_bits=self.layout.key_bits,
+                                                      value_bits=self.layout.value_bits)  # in place, same bits
+        else:
+            rec_k, rec_v = dequantize_blocks(self.row.pool.gather_records(self.l, table), self.layout, dtype)
         return sink_k, sink_v, rec_k, rec_v
 
     def release(self) -> None:

@@ -48,6 +48,17 @@ class CpuKernels:
         return self.quantize_tiles(keys=win_k[slots][:, :, G:], values=win_v[slots][:, :, G:], key_bits=key_bits,
                                    value_bits=value_bits, iters=iters)
 
+    def dequantize_records(self, records: dict[str, mx.array], table: mx.array, *, key_bits: int,
+                           value_bits: int) -> tuple[mx.array, mx.array]:
+        """Rotated keys and values [B, H, nb*G, D] (float32) of the records ``table`` [B, nb]
+        (fields as the pool stores them, read in place): ``kvarn.pool.dequantize_blocks``' bits."""
+        k_codes = records["k_codes"]
+        N, H = k_codes.shape[:2]
+        D = k_codes.shape[3]
+        return tuple(self.module.dequantize_records(
+            table, k_codes.reshape(N, H, D, -1), records["k_alpha"], records["k_beta"], records["k_r"],
+            records["v_codes"], records["v_alpha"], records["v_beta"], records["v_c"], key_bits, value_bits))
+
     def exp_rows(self, scores: mx.array, top: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """(exp(scores - top), their sums [..., 1]) for float32 ``scores`` [..., n]; ``top``
         [..., 1], by default each row's max (``kvarn.cpu_attention._exp_below``'s bits)."""

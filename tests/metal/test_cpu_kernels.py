@@ -16,7 +16,7 @@ import pytest
 
 from kvarn import attention, cpu_attention
 from kvarn.layout import KVLayout
-from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks_reference
+from kvarn.pool import RECORD_FIELDS, LayerArrays, dequantize_blocks, quantize_blocks_reference
 from metal.cpu import build
 from metal.cpu.kernels import CpuKernels
 from metal.selector import CPU_NATIVE, REFERENCE, Kernels
@@ -238,3 +238,18 @@ def test_on_the_cpu_the_commit_is_the_cpp_quantizer_checked_against_the_referenc
     want = commit.tiles(keys=windows[mx.array([2, 0])][:, :, 128:], values=(windows * 0.5)[mx.array([2, 0])][:, :, 128:],
                         key_bits=4, value_bits=2, iters=8)
     assert all(mx.array_equal(tails[name], want[name]).item() for name in RECORD_FIELDS)
+
+
+@pytest.mark.parametrize("preset,G", [("k4v2", 128), ("k2v4", 64), ("k8v8", 128)])
+def test_records_read_in_place_dequantize_to_the_pure_mlx_bits(kernels, preset, G):
+    """A prompt chunk's history: the rows' records by their table, without gathering them first,
+    into the float32 keys and values ``kvarn.pool.dequantize_blocks`` makes of the gathered ones."""
+    layout = KVLayout.kvarn(preset, tile_size=G)
+    case = make_case([700, 300, 5], n_kv_heads=2, n_rep=2, head_dim=G, tile_size=G, key_bits=layout.key_bits,
+                     value_bits=layout.value_bits, seed=G)
+    got = kernels.dequantize_records(case.records, case.table, key_bits=layout.key_bits,
+                                     value_bits=layout.value_bits)
+    want = dequantize_blocks({name: case.records[name][case.table] for name in RECORD_FIELDS}, layout, mx.float32)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == mx.float32
+        assert mx.array_equal(g, w).item()

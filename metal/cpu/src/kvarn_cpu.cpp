@@ -11,6 +11,8 @@
 //                  kvarn.attention._quantized_matmul_attention.
 //   QuantizeTiles  the KVarN quantizer of rotated tiles (normalize, round, pack) into record fields;
 //                  the pure-MLX twin is kvarn.pool.quantize_blocks_reference.
+//   DequantizeRecords  rows' records read in place into float32 keys and values (a prompt chunk's
+//                  history); the pure-MLX twin is kvarn.pool.dequantize_blocks.
 //   ExpRows        exp(scores - top) a row, top the row's max or given, and the row sums: a softmax's
 //                  numerator and denominator; the pure-MLX twin is kvarn.cpu_attention._exp_below
 //                  (the same polynomial, the same bits: built without contraction into FMAs).
@@ -88,6 +90,16 @@ inline const float* row_of(const float* x, int, float*) {
 inline const float* row_of(const float16_t* x, int n, float* scratch) {
   to_float(x, n, scratch);
   return scratch;
+}
+
+// codes [n] of ``bits`` bits (2, 4, 8) from MLX's little-endian packing
+inline void unpack_bits(const uint32_t* words, int n, int bits, float* out) {
+  const int per_word = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int w = 0; w < n / per_word; ++w) {
+    const uint32_t x = words[w];
+    for (int l = 0; l < per_word; ++l) out[w * per_word + l] = static_cast<float>((x >> (bits * l)) & mask);
+  }
 }
 
 // a * b + c rounded once (the products' sums are built of these; only the exp polynomial, which
@@ -683,6 +695,104 @@ std::vector<array> quantize_tiles(const array& keys, const array& values, int ke
                             {contiguous(keys, false, s), contiguous(values, false, s)});
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// DequantizeRecords: the records ``table`` [B, nb] (fields as the pool stores them, D <= 128) ->
+// rotated keys and values [B, H, nb*G, D] float32: (code * alpha + beta) * r for keys, (code *
+// alpha + beta) * c for values, as kvarn.pool.dequantize_blocks computes them (no fused
+// multiply-adds: the same bits), read in place instead of gathered first.
+class DequantizeRecords : public Primitive {
+ public:
+  DequantizeRecords(Stream s, int key_bits, int value_bits)
+      : Primitive(s), key_bits_(key_bits), value_bits_(value_bits) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outs) override {
+    for (auto& o : outs) o.set_data(allocator::malloc(o.nbytes()));
+    const int B = in[0].shape(0), nb = in[0].shape(1), H = in[1].shape(1), D = in[1].shape(2);
+    const int G = in[5].shape(2);
+    auto& encoder = cpu::get_command_encoder(stream());
+    for (auto& a : in) encoder.set_input_array(a);
+    for (auto& o : outs) encoder.set_output_array(o);
+    encoder.dispatch([=, table = in[0].data<int32_t>(), k_codes = in[1].data<uint32_t>(),
+                      k_alpha = in[2].data<float16_t>(), k_beta = in[3].data<float16_t>(),
+                      k_r = in[4].data<float16_t>(), v_codes = in[5].data<uint32_t>(),
+                      v_alpha = in[6].data<float16_t>(), v_beta = in[7].data<float16_t>(),
+                      v_c = in[8].data<float16_t>(), ko = outs[0].data<float>(), vo = outs[1].data<float>(),
+                      kb = key_bits_, vb = value_bits_]() {
+      const int kw = G * kb / 32, vw = D * vb / 32;
+      parallel_for(static_cast<int64_t>(B) * nb * H, static_cast<int64_t>(4) * G * D, [&](int64_t lo, int64_t hi) {
+        std::vector<float> codes(std::max(G, D)), fa(std::max(G, D)), fb(std::max(G, D)), fr(std::max(G, D));
+        for (int64_t item = lo; item < hi; ++item) {
+          const int h = static_cast<int>(item % H);
+          const int64_t bj = item / H;  // b * nb + j
+          const int b = static_cast<int>(bj / nb), j = static_cast<int>(bj % nb);
+          const size_t blk = static_cast<size_t>(table[bj]) * H + h;
+          // out rows: [b, h, j*G + g, d]
+          float* kout = ko + ((static_cast<size_t>(b) * H + h) * nb + j) * G * D;
+          float* vout = vo + ((static_cast<size_t>(b) * H + h) * nb + j) * G * D;
+          to_float(k_alpha + blk * D, D, fa.data());
+          to_float(k_beta + blk * D, D, fb.data());
+          to_float(k_r + blk * G, G, fr.data());
+          const uint32_t* kc = k_codes + blk * D * kw;
+          for (int d = 0; d < D; ++d) {
+            unpack_bits(kc + static_cast<size_t>(d) * kw, G, kb, codes.data());
+            for (int g = 0; g < G; ++g) kout[static_cast<size_t>(g) * D + d] = (codes[g] * fa[d] + fb[d]) * fr[g];
+          }
+          to_float(v_alpha + blk * G, G, fa.data());
+          to_float(v_beta + blk * G, G, fb.data());
+          to_float(v_c + blk * D, D, fr.data());
+          const uint32_t* vc = v_codes + blk * G * vw;
+          for (int g = 0; g < G; ++g) {
+            unpack_bits(vc + static_cast<size_t>(g) * vw, D, vb, codes.data());
+            float* row = vout + static_cast<size_t>(g) * D;
+            for (int d = 0; d < D; ++d) row[d] = (codes[d] * fa[g] + fb[g]) * fr[d];
+          }
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("DequantizeRecords runs on the CPU only");
+  }
+  const char* name() const override { return "KvarnDequantizeRecords"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const DequantizeRecords&>(other);
+    return key_bits_ == o.key_bits_ && value_bits_ == o.value_bits_;
+  }
+
+ private:
+  int key_bits_, value_bits_;
+};
+
+std::vector<array> dequantize_records(const array& table, const array& k_codes, const array& k_alpha,
+                                      const array& k_beta, const array& k_r, const array& v_codes,
+                                      const array& v_alpha, const array& v_beta, const array& v_c, int key_bits,
+                                      int value_bits) {
+  auto s = to_stream(Device::cpu);
+  if (table.dtype() != int32 || table.ndim() != 2)
+    throw std::invalid_argument("dequantize_records: table must be int32 [B, nb]");
+  if (k_codes.ndim() != 4 || k_codes.dtype() != uint32 || v_codes.ndim() != 4 || v_codes.dtype() != uint32)
+    throw std::invalid_argument("dequantize_records: k_codes [N, H, D, words], v_codes [N, H, G, words] uint32");
+  const int H = k_codes.shape(1), D = k_codes.shape(2), G = v_codes.shape(2);
+  if (!(key_bits == 2 || key_bits == 4 || key_bits == 8) || !(value_bits == 2 || value_bits == 4 || value_bits == 8) ||
+      k_codes.shape(3) != G * key_bits / 32 || v_codes.shape(3) != D * value_bits / 32)
+    throw std::invalid_argument("dequantize_records: 2-, 4- or 8-bit codes filling the code words");
+  const size_t N = k_codes.shape(0);
+  for (const array* f : {&k_alpha, &k_beta, &v_c})
+    if (f->dtype() != float16 || f->size() != N * H * D)
+      throw std::invalid_argument("dequantize_records: key factors and v_c float16 [N, H, D]");
+  for (const array* f : {&k_r, &v_alpha, &v_beta})
+    if (f->dtype() != float16 || f->size() != N * H * G)
+      throw std::invalid_argument("dequantize_records: k_r and value factors float16 [N, H, G]");
+  const int B = table.shape(0), nb = table.shape(1);
+  Shape out = {B, H, nb * G, D};
+  std::vector<array> inputs;
+  for (const array* a : {&table, &k_codes, &k_alpha, &k_beta, &k_r, &v_codes, &v_alpha, &v_beta, &v_c})
+    inputs.push_back(contiguous(*a, false, s));
+  return array::make_arrays({out, out}, {float32, float32},
+                            std::make_shared<DequantizeRecords>(s, key_bits, value_bits), inputs);
+}
+
 }  // namespace
 
 NB_MODULE(_kvarn_cpu, m) {
@@ -697,4 +807,8 @@ NB_MODULE(_kvarn_cpu, m) {
   m.def("quantize_tiles", &quantize_tiles, nb::arg("keys"), nb::arg("values"), nb::arg("key_bits"),
         nb::arg("value_bits"), nb::arg("iters"),
         "The record fields (block-major, kvarn.pool's order) of rotated tiles [n, H, G, D], D <= 128");
+  m.def("dequantize_records", &dequantize_records, nb::arg("table"), nb::arg("k_codes"), nb::arg("k_alpha"),
+        nb::arg("k_beta"), nb::arg("k_r"), nb::arg("v_codes"), nb::arg("v_alpha"), nb::arg("v_beta"), nb::arg("v_c"),
+        nb::arg("key_bits"), nb::arg("value_bits"),
+        "Rotated keys and values [B, H, nb * G, D] float32 of the records table [B, nb] (see the source)");
 }
