@@ -505,12 +505,26 @@ void moment_std(const double* x, const double* x2, int R, int C, const float* lo
     w[k] = mlx_exp(-static_cast<double>(log_scale[k]));
     w2[k] = w[k] * w[k];
   }
-  if (by_rows) {
+  if (by_rows) {  // sums along a row in 8 independent lanes (one chain would be latency-bound)
+    constexpr int L = 8;
     for (int i = 0; i < R; ++i) {
+      double a1[L] = {}, a2[L] = {};
+      const double* xi = x + static_cast<size_t>(i) * C;
+      const double* x2i = x2 + static_cast<size_t>(i) * C;
+      int j = 0;
+      for (; j + L <= C; j += L)
+        for (int l = 0; l < L; ++l) {
+          a1[l] += xi[j + l] * w[j + l];
+          a2[l] += x2i[j + l] * w2[j + l];
+        }
       double s1 = 0.0, s2 = 0.0;
-      for (int j = 0; j < C; ++j) {
-        s1 += x[i * C + j] * w[j];
-        s2 += x2[i * C + j] * w2[j];
+      for (int l = 0; l < L; ++l) {
+        s1 += a1[l];
+        s2 += a2[l];
+      }
+      for (; j < C; ++j) {
+        s1 += xi[j] * w[j];
+        s2 += x2i[j] * w2[j];
       }
       const double var = (s2 - s1 * s1 / n) / (n - 1);
       out[i] = std::sqrt(std::max(var, 0.0));
