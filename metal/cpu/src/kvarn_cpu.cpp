@@ -108,6 +108,33 @@ inline float fma(float a, float b, float c) {
   return __builtin_fmaf(a, b, c);
 }
 
+// acc[r][i] += a[r] * (codes[i] * alpha + beta) for i < n, r < R: each code dequantized once, in a
+// register, for all R rows (R a template argument where it is a common head ratio)
+template <int RT>
+inline void dequantized_products_r(const float* codes, int n, float alpha, float beta, const float* a, float* acc) {
+  float ar[RT];
+  for (int r = 0; r < RT; ++r) ar[r] = a[r];
+  for (int i = 0; i < n; ++i) {
+    const float x = fma(codes[i], alpha, beta);
+    for (int r = 0; r < RT; ++r) acc[r * n + i] = fma(ar[r], x, acc[r * n + i]);
+  }
+}
+
+inline void dequantized_products(const float* codes, int n, float alpha, float beta, const float* a, int R,
+                                 float* acc) {
+  switch (R) {
+    case 1: return dequantized_products_r<1>(codes, n, alpha, beta, a, acc);
+    case 2: return dequantized_products_r<2>(codes, n, alpha, beta, a, acc);
+    case 4: return dequantized_products_r<4>(codes, n, alpha, beta, a, acc);
+    case 8: return dequantized_products_r<8>(codes, n, alpha, beta, a, acc);
+    default:
+      for (int i = 0; i < n; ++i) {
+        const float x = fma(codes[i], alpha, beta);
+        for (int r = 0; r < R; ++r) acc[r * n + i] = fma(a[r], x, acc[r * n + i]);
+      }
+  }
+}
+
 // Reductions in 8 independent lanes (the compiler vectorizes them; one float sum would be a chain)
 constexpr int LANES = 8;
 
@@ -339,7 +366,7 @@ class DecodeRecords : public UnaryPrimitive {
     // one (row, KV head) an item; each thread its own scratch
     parallel_for(static_cast<int64_t>(B) * H, static_cast<int64_t>(R + 1) * T * D, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(static_cast<size_t>(R) * T), codes(std::max(G, D)), acc(static_cast<size_t>(R) * std::max(G, D)),
-        total(R), fa(std::max(G, D)), fb(std::max(G, D));
+        total(R), fa(std::max(G, D)), fb(std::max(G, D)), qa(R);
     for (int64_t item = lo; item < hi; ++item) {
       const int b = static_cast<int>(item / H), h = static_cast<int>(item % H);
       const int w = win_ids[b];
@@ -363,13 +390,8 @@ class DecodeRecords : public UnaryPrimitive {
           const uint32_t* kc = k_codes + blk * D * kw;
           for (int d = 0; d < D; ++d) {
             unpack<KB>(kc + static_cast<size_t>(d) * kw, G, codes.data());
-            const float al = fa[d], be = fb[d];
-            for (int g = 0; g < G; ++g) codes[g] = fma(codes[g], al, be);
-            for (int r = 0; r < R; ++r) {
-              const float a = qh[r * D + d];
-              float* ar = acc.data() + static_cast<size_t>(r) * G;
-              for (int g = 0; g < G; ++g) ar[g] = fma(a, codes[g], ar[g]);
-            }
+            for (int r = 0; r < R; ++r) qa[r] = qh[r * D + d];
+            dequantized_products(codes.data(), G, fa[d], fb[d], qa.data(), R, acc.data());
           }
           to_float(k_r + blk * G, G, fa.data());
           for (int r = 0; r < R; ++r) {
@@ -406,13 +428,8 @@ class DecodeRecords : public UnaryPrimitive {
           const uint32_t* vc = v_codes + blk * G * vw;
           for (int g = 0; g < G; ++g) {
             unpack<VB>(vc + static_cast<size_t>(g) * vw, D, codes.data());
-            const float al = fa[g], be = fb[g];
-            for (int d = 0; d < D; ++d) codes[d] = fma(codes[d], al, be);
-            for (int r = 0; r < R; ++r) {
-              const float p = s[static_cast<size_t>(r) * T + n + j * G + g];
-              float* ar = acc.data() + static_cast<size_t>(r) * D;
-              for (int d = 0; d < D; ++d) ar[d] = fma(p, codes[d], ar[d]);
-            }
+            for (int r = 0; r < R; ++r) qa[r] = s[static_cast<size_t>(r) * T + n + j * G + g];
+            dequantized_products(codes.data(), D, fa[g], fb[g], qa.data(), R, acc.data());
           }
           to_float(v_c + blk * D, D, fa.data());
           for (int r = 0; r < R; ++r) {
