@@ -17,7 +17,10 @@ A KVarN prompt chunk's float16 window is seen tile by tile (a token sees its own
 to itself), so ``window_attention`` takes it as G x G blocks beside the masked keys instead of as
 L more masked columns: the two parts share one max and one normalization.
 
-Decode attention over KVarN records (``record_scores``, ``record_values``) multiplies by the
+Where kvarn's CPU kernels run (``metal.cpu``: built at first use, checked by ``metal.KERNELS``) the
+softmax's exp and row sums are theirs (``softmax_parts``: the same bits, one vectorized pass a row)
+and KVarN's decode attention is their kernel, which reads the codes in place. Where they do not,
+decode attention over KVarN records (``record_scores``, ``record_values``) multiplies by the
 records' integer codes unpacked to float32 instead of through MLX's CPU ``quantized_matmul``,
 which dequantizes every code once for every query row in a scalar loop (and again for the next
 row). A code of b bits (b = 2, 4, 8) is one of the 8/b fields of a byte: one compiled elementwise
