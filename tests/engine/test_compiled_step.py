@@ -150,8 +150,10 @@ def test_padding_rows_never_change_a_real_rows_logits(loaded, arm, monkeypatch):
 
 
 def test_commit_structures_compile_once_they_recur(loaded, monkeypatch):
-    """One row crossing tile boundaries: its commit steps run uncompiled until a structure has come
-    back ``commit_after`` times; ordinary steps are compiled from their first use."""
+    """One row crossing tile boundaries, its commits through the pure-MLX quantizer (the verdict
+    pinned: on the CPU the C++ quantizer commits otherwise): its commit steps run uncompiled until a
+    structure has come back ``commit_after`` times; ordinary steps are compiled from their first use."""
+    monkeypatch.setattr(model_runner.KERNELS, "decided_commit_path", lambda: "reference")
     counts = {}
     for after in (0, 1000):
         engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch, apc=False, commit_after=after)
@@ -166,10 +168,12 @@ def test_commit_structures_compile_once_they_recur(loaded, monkeypatch):
     assert counts[0][2] == counts[1000][2]
 
 
-def test_commit_structures_compile_at_once_where_a_fused_kernel_commits(loaded, monkeypatch):
-    """Where the commit's verdict is a fused kernel (one launch a layer: nothing slow to trace),
-    a commit step compiles at its first use whatever ``commit_after`` says."""
-    monkeypatch.setattr(model_runner.KERNELS, "decided_commit_path", lambda: "cuda-fused")
+@pytest.mark.parametrize("verdict", ["cuda-fused", "cpu-native"])
+def test_commit_structures_compile_at_once_where_a_fused_kernel_commits(loaded, monkeypatch, verdict):
+    """Where the commit's verdict is a kernel (a GPU's fused one, the CPU's C++ quantizer: one
+    operation a layer, nothing slow to trace), a commit step compiles at its first use whatever
+    ``commit_after`` says."""
+    monkeypatch.setattr(model_runner.KERNELS, "decided_commit_path", lambda: verdict)
     engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch, apc=False, commit_after=1000)
     request = Request(RequestId("c"), list(range(20, 140)), SamplingParams(max_tokens=300, temperature=0.0,
                                                                         ignore_eos=True))
