@@ -34,6 +34,18 @@ def _dequantize(fields: dict[str, mx.array], G: int, key_bits: int, value_bits: 
     return k, v
 
 
+def validity_mask(lengths: RowLengths, G: int, nb: int) -> mx.array:
+    """Which keys each row attends [B, 2G + nb*G] (bool): its window's sink and tail tokens, then
+    its first ``num_tiles`` of ``nb`` records."""
+    i32 = mx.int32
+    sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (lengths.sink_len, lengths.tail_len, lengths.num_tiles))
+    w = mx.arange(2 * G, dtype=i32)[None]
+    mask = (w < sl) | ((w >= G) & (w < G + tl))
+    if nb:
+        mask = mx.concatenate([mask, (mx.arange(nb * G, dtype=i32)[None] // G) < nt], axis=1)
+    return mask
+
+
 def reference_paged_decode_attention(*, queries: mx.array, records: dict[str, mx.array], win_k: mx.array,
                                      win_v: mx.array, table: mx.array | None, lengths: RowLengths, scale: float,
                                      key_bits: int, value_bits: int, plan: DecodePlan | None = None,
@@ -46,15 +58,11 @@ def reference_paged_decode_attention(*, queries: mx.array, records: dict[str, mx
     dtype = mx.float32 if queries.dtype == mx.float32 else mx.float16
     slots = mx.array(lengths.slots, dtype=mx.int32)
     keys, vals = win_k[slots].astype(dtype), win_v[slots].astype(dtype)
-    i32 = mx.int32
-    sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (lengths.sink_len, lengths.tail_len, lengths.num_tiles))
-    w = mx.arange(2 * G, dtype=i32)[None]
-    mask = (w < sl) | ((w >= G) & (w < G + tl))
+    mask = validity_mask(lengths, G, 0 if table is None else table.shape[1])
     if table is not None:
         fields = {name: records[name][table] for name in RECORD_FIELDS}
         rec_k, rec_v = _dequantize(fields, G, key_bits, value_bits, dtype)
         keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
-        mask = mx.concatenate([mask, (mx.arange(table.shape[1] * G, dtype=i32)[None] // G) < nt], axis=1)
     q = hadamard(queries.astype(mx.float32)).astype(dtype)
     out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask[:, None, None, :])
     return hadamard(out.astype(mx.float32)).astype(queries.dtype)

@@ -14,8 +14,9 @@ reference, with one logged warning per kind of kernel. A verdict never changes a
 The CPU's kernels (``metal.cpu``: KVarN's decode attention, the softmax's exp) are one verdict:
 built at first use on this machine (``metal.cpu.build``), then checked against the pure-MLX
 references in float32 (the self-check's arrays are its own, so it runs inside an ``mx.compile``
-trace too). The engine decides it when it is made. Their quantizer is then a commit like the GPUs'
-fused ones: checked per layout against the pure-MLX quantizer (``commit_self_check``), verdict
+trace too). The engine decides it when it is made. Where no GPU backend is found, a process's
+backend is then the CPU's (``cpu_backend``): their quantizer is its commit, checked per layout
+against the pure-MLX quantizer (``commit_self_check``) like a GPU's fused commit, verdict
 "cpu-native".
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
@@ -71,7 +72,11 @@ class Backend:
     ragged_plan: Callable | None = None
 
 
-CPU_BACKEND = Backend("CPU", CPU_NATIVE)  # the CPU's quantizer checked as the GPUs' fused commits are
+def cpu_backend(kernels: CpuKernels) -> Backend:
+    """The CPU's kernels as a backend: their quantizer is the commit, checked as a GPU's fused one
+    (their decode attention is planned as arrays, asked for through ``Kernels.cpu``)."""
+    return Backend("CPU", CPU_NATIVE, commit=CommitKernel(kernels.quantize_tiles, kernels.quantize_window_tails),
+                   commit_supported=kernels.quantizes)
 
 
 def cuda_backend() -> Backend:
@@ -116,7 +121,13 @@ class Kernels:
 
     @cached_property
     def backend(self) -> Backend | None:
-        return detect_backend() if self._backend_arg == "auto" else self._backend_arg
+        if self._backend_arg != "auto":
+            return self._backend_arg
+        gpu = detect_backend()
+        if gpu is not None:
+            return gpu
+        kernels = self.cpu()  # on the CPU: its kernels, once built and checked
+        return cpu_backend(kernels) if kernels is not None else None
 
     def _settle(self, key: tuple, path: str, warning: tuple | None) -> str:
         """Record ``path`` for ``key``; log ``warning`` (a logging format and its arguments) only if
@@ -193,9 +204,6 @@ class Kernels:
 
     def _decide_commit(self, reference, head_dim, tile_size, key_bits, value_bits, iters) -> tuple[str, tuple | None]:
         b = self.backend
-        cpu = self._cpu_commit(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits)
-        if cpu is not None:  # checked as a GPU's fused commit is (it takes the layout: _cpu_commit asked)
-            b = replace(CPU_BACKEND, commit=cpu, commit_supported=lambda **layout: True)
         if b is None or b.commit is None:
             return REFERENCE, ("kvarn: no GPU backend with a fused commit kernel; KVarN commits run the pure-MLX "
                                "quantizer",)
@@ -219,17 +227,7 @@ class Kernels:
         the caller runs ``reference``'s quantizer."""
         path = self.commit_path(reference=reference, head_dim=head_dim, tile_size=tile_size, key_bits=key_bits,
                                 value_bits=value_bits, iters=iters)
-        if path == CPU_NATIVE:
-            return self._cpu_commit(head_dim=head_dim, tile_size=tile_size, key_bits=key_bits, value_bits=value_bits)
-        return self.backend.commit if path in FUSED else None
-
-    def _cpu_commit(self, **layout: int) -> CommitKernel | None:
-        """The CPU's quantizer behind the commit's signatures, where the CPU kernels run and take
-        the layout."""
-        kernels = self.cpu() if self.backend is None else None
-        if kernels is None or not kernels.quantizes(**layout):
-            return None
-        return CommitKernel(kernels.quantize_tiles, kernels.quantize_window_tails)
+        return self.backend.commit if path in KERNEL_COMMITS else None
 
     def decided_commit_path(self) -> str | None:
         """The first verdict ``commit_path`` reached, else None."""
@@ -310,7 +308,6 @@ class Kernels:
 
     def decided_cpu_path(self) -> str | None:
         return self._decided("cpu")
-
 
 
 # ---- the self-checks: each kernel against its reference on a small random case ----

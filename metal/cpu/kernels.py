@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from metal.paged_plan import RowLengths
 from metal.records import RECORD_FIELDS
-from metal.reference import hadamard
+from metal.reference import hadamard, validity_mask
 
 WIDTHS = (2, 4, 8)  # code widths whose codes never straddle a 32-bit word
 
@@ -52,12 +52,10 @@ class CpuKernels:
                            value_bits: int) -> tuple[mx.array, mx.array]:
         """Rotated keys and values [B, H, nb*G, D] (float32) of the records ``table`` [B, nb]
         (fields as the pool stores them, read in place): ``kvarn.pool.dequantize_blocks``' bits."""
-        k_codes = records["k_codes"]
-        N, H = k_codes.shape[:2]
-        D = k_codes.shape[3]
-        return tuple(self.module.dequantize_records(
-            table, k_codes.reshape(N, H, D, -1), records["k_alpha"], records["k_beta"], records["k_r"],
-            records["v_codes"], records["v_alpha"], records["v_beta"], records["v_c"], key_bits, value_bits))
+        k_rec, v_rec = self.module.dequantize_records(
+            table, _key_codes(records), records["k_alpha"], records["k_beta"], records["k_r"],
+            records["v_codes"], records["v_alpha"], records["v_beta"], records["v_c"], key_bits, value_bits)
+        return k_rec, v_rec
 
     def exp_rows(self, scores: mx.array, top: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """(exp(scores - top), their sums [..., 1]) for float32 ``scores`` [..., n]; ``top``
@@ -72,13 +70,10 @@ class CpuKernels:
         each row's window ``win_ids`` [B] (its first ``win_len`` tokens of the windows [Nw, H, 2G, D],
         float32 or float16) and its records ``table`` [B, nb] (None: none), under the validity
         ``mask`` [B, 1 | R, win_len + nb*G] (bool); ``records`` as the pool stores them."""
-        B, H = q.shape[:2]
-        D = q.shape[-1]
         if table is None:
-            table = mx.zeros((B, 0), mx.int32)
-        k_codes = records["k_codes"]
+            table = mx.zeros((q.shape[0], 0), mx.int32)
         return self.module.decode_records(
-            q, win_k, win_v, win_ids, table, mask, k_codes.reshape(k_codes.shape[0], H, D, -1),
+            q, win_k, win_v, win_ids, table, mask, _key_codes(records),
             records["k_alpha"], records["k_beta"], records["k_r"], records["v_codes"], records["v_alpha"],
             records["v_beta"], records["v_c"], win_len, key_bits, value_bits)
 
@@ -91,14 +86,15 @@ class CpuKernels:
         B, n_q, _, D = queries.shape
         H = win_k.shape[1]
         G = win_k.shape[2] // 2
-        i32 = mx.int32
         q = (hadamard(queries.astype(mx.float32)) * scale).reshape(B, H, n_q // H, D)
-        sl, tl, nt = (mx.array(x, dtype=i32)[:, None] for x in (lengths.sink_len, lengths.tail_len, lengths.num_tiles))
-        w = mx.arange(2 * G, dtype=i32)[None]
-        mask = (w < sl) | ((w >= G) & (w < G + tl))
-        if table is not None:
-            mask = mx.concatenate([mask, (mx.arange(table.shape[1] * G, dtype=i32)[None] // G) < nt], axis=1)
-        out = self.decode_attention(q, records, win_k, win_v,
-                                    mx.array(lengths.slots, dtype=i32), table, mask[:, None], win_len=2 * G,
-                                    key_bits=key_bits, value_bits=value_bits)
+        mask = validity_mask(lengths, G, 0 if table is None else table.shape[1])
+        out = self.decode_attention(q, records, win_k, win_v, mx.array(lengths.slots, dtype=mx.int32), table,
+                                    mask[:, None], win_len=2 * G, key_bits=key_bits, value_bits=value_bits)
         return hadamard(out).astype(queries.dtype).reshape(B, n_q, 1, D)
+
+
+def _key_codes(records: dict[str, mx.array]) -> mx.array:
+    """The key codes [N, H, 1, D, words] as the kernels read them: [N, H, D, words] (one slice)."""
+    k_codes = records["k_codes"]
+    N, H, _, D, words = k_codes.shape
+    return k_codes.reshape(N, H, D, words)

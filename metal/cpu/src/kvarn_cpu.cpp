@@ -92,13 +92,23 @@ inline const float* row_of(const float16_t* x, int n, float* scratch) {
   return scratch;
 }
 
-// codes [n] of ``bits`` bits (2, 4, 8) from MLX's little-endian packing
-inline void unpack_bits(const uint32_t* words, int n, int bits, float* out) {
-  const int per_word = 32 / bits;
-  const uint32_t mask = (1u << bits) - 1u;
-  for (int w = 0; w < n / per_word; ++w) {
+// codes [n] of BITS bits from MLX's little-endian packing (2, 4, 8: a code never straddles a word)
+template <int BITS>
+inline void unpack(const uint32_t* words, int n, float* out) {
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  for (int w = 0; w < n / PER_WORD; ++w) {
     const uint32_t x = words[w];
-    for (int l = 0; l < per_word; ++l) out[w * per_word + l] = static_cast<float>((x >> (bits * l)) & mask);
+    for (int l = 0; l < PER_WORD; ++l) out[w * PER_WORD + l] = static_cast<float>((x >> (BITS * l)) & MASK);
+  }
+}
+
+// ``unpack`` with the width known at run time
+inline void unpack_bits(const uint32_t* words, int n, int bits, float* out) {
+  switch (bits) {
+    case 2: return unpack<2>(words, n, out);
+    case 4: return unpack<4>(words, n, out);
+    default: return unpack<8>(words, n, out);
   }
 }
 
@@ -318,17 +328,6 @@ class DecodeRecords : public UnaryPrimitive {
 
  private:
   int win_len_, key_bits_, value_bits_;
-
-  // codes [n] of BITS bits from MLX's little-endian packing (2, 4, 8: a code never straddles a word)
-  template <int BITS>
-  static inline void unpack(const uint32_t* words, int n, float* out) {
-    constexpr int PER_WORD = 32 / BITS;
-    constexpr uint32_t MASK = (1u << BITS) - 1u;
-    for (int w = 0; w < n / PER_WORD; ++w) {
-      const uint32_t x = words[w];
-      for (int l = 0; l < PER_WORD; ++l) out[w * PER_WORD + l] = static_cast<float>((x >> (BITS * l)) & MASK);
-    }
-  }
 
   template <class WT>
   static void run(const DecodeShape sh, const float* q, const WT* win_k, const WT* win_v, const int32_t* win_ids,
