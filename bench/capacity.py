@@ -1,7 +1,7 @@
 """How many concurrent sequences of a given length fit in a fixed KV budget, per layout.
 
 Two parts:
-1. priced: from the engine's exact capacity pricing (``engine.scheduler``, tested equal to the
+1. priced: from the engine's exact capacity pricing (``engine.pricing``, tested equal to the
    measured ``nbytes`` of filled caches in tests/engine/test_batching.py), for the bundled model
    at several budgets, including the fp16 scheme both as it runs on this CPU (float32 storage)
    and as on a GPU (float16 storage);

@@ -20,8 +20,8 @@ from engine.accepted_output import advance_tokens
 from engine.speculator import SpecConfig, Speculator, make_proposer
 from engine.output import OutputState, add_prompt_scores, new_text_stream
 from engine.request import FinishReason, Request, RequestId, RequestOutput, SamplingParams
-from engine.scheduler import (LayerSpec, PoolBudget, Pricing, Reservation, Scheduler, SchedulerConfig, StaticBudget,
-                              default_budget_bytes, machine_memory_bytes)
+from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
+from engine.scheduler import PoolBudget, Scheduler, SchedulerConfig, StaticBudget
 from engine.step_types import StepPlan, StepResult
 from kvarn.attention import install_attention_seam
 from kvarn.layout import KVLayout

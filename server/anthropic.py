@@ -23,7 +23,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.protocol import MAX_FUNCTION_NAME_CHARS, MAX_STOP_STRINGS, invalid_text_path
+from server.protocol import MAX_STOP_STRINGS, invalid_text_path
+from server.protocol_messages import MAX_FUNCTION_NAME_CHARS
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
 _BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")

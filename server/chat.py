@@ -29,8 +29,8 @@ from fastapi import APIRouter, Request
 
 from engine import EngineClient, FinishReason, ModelInfo, OutputParser, ParsedDelta, RequestOutput, SamplingParams
 from server.errors import APIError
-from server.protocol import AudioPart, ChatCompletionRequest, ChatMessage, CompletionRequest, FilePart, \
-    ImagePart, RefusalPart, _Sampling
+from server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from server.protocol_messages import AudioPart, ChatMessage, FilePart, ImagePart, RefusalPart
 from server.streaming import ChoiceFormat, Job, finish_name, observe, outputs, respond
 from server.tools import ToolPlan, force_calls, plan_tools, structured_params, template_messages
 

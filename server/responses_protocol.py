@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from pydantic_core import PydanticCustomError
 
 from server.errors import APIError
-from server.protocol import MAX_FUNCTION_NAME_CHARS, MAX_TOP_LOGPROBS, checked_body
+from server.protocol import MAX_TOP_LOGPROBS, checked_body
+from server.protocol_messages import MAX_FUNCTION_NAME_CHARS
 
 Status = Literal["in_progress", "completed", "incomplete"]
 # a declared web search is accepted and not offered to the model (Codex CLI declares one by default);

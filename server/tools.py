@@ -57,8 +57,9 @@ from jsonschema.validators import Draft202012Validator, validator_for
 from engine import ConstraintError, EngineClient, EngineNotReady, GrammarSpec, ModelInfo, SamplingParams, \
     tool_call_grammar
 from server.errors import APIError
-from server.protocol import AllowedToolChoice, ChatCompletionRequest, ChatMessage, \
-    NamedCustomToolChoice, NamedToolChoice, ToolDefinition, _Sampling
+from server.protocol import ChatCompletionRequest, _Sampling
+from server.protocol_messages import AllowedToolChoice, ChatMessage, NamedCustomToolChoice, NamedToolChoice, \
+    ToolDefinition
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 count a shared block once: a prefix hit's blocks and ``n > 1`` choices' shared prompt are not
 priced again, and what running rows hold is counted from the pool."""
 
-from engine.scheduler import LayerSpec, PoolBudget, Pricing, Reservation, StaticBudget
+from engine.pricing import LayerSpec, Pricing, Reservation
+from engine.scheduler import PoolBudget, StaticBudget
 from engine.request import Request, RequestId, RequestStatus, SamplingParams
 from kvarn.layout import KVLayout
 

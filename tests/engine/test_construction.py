@@ -8,9 +8,9 @@ import mlx.core as mx
 from apc.prefix_cache import PENDING
 from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
+from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, SamplingParams
-from engine.scheduler import (PENDING as SCHEDULER_PENDING, PoolBudget, Reservation, Scheduler, SchedulerConfig,
-                              StaticBudget)
+from engine.scheduler import PENDING as SCHEDULER_PENDING, PoolBudget, Scheduler, SchedulerConfig, StaticBudget
 
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, prefill_chunk_size=128,
                          kv_budget_bytes=64 * 2**20)

@@ -2,8 +2,9 @@
 
 import pytest
 
+from engine.pricing import Reservation
 from engine.request import FinishReason, Request, RequestId, RequestStatus, SamplingParams
-from engine.scheduler import PENDING, Reservation, Scheduler, SchedulerConfig, StaticBudget
+from engine.scheduler import PENDING, Scheduler, SchedulerConfig, StaticBudget
 from engine.step_types import PrefillChunk, SampledToken, StepResult
 
 

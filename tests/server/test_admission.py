@@ -28,7 +28,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engine.loader import resolve_dtype
-from engine.scheduler import LayerSpec, Pricing
+from engine.pricing import LayerSpec, Pricing
 from kvarn.layout import KVLayout
 from tests.server.conftest import MODEL_DIR, MODEL_ID, Server, chat_body, chatml, client_of, metric, post_json, \
     HealthPoller, served, stream_json, wait_idle
