@@ -23,10 +23,10 @@ from engine.request import FinishReason, Request, RequestId, RequestOutput, Samp
 from engine.pricing import LayerSpec, Pricing, Reservation, default_budget_bytes, machine_memory_bytes
 from engine.scheduler import PoolBudget, Scheduler, SchedulerConfig, StaticBudget
 from engine.step_types import StepPlan, StepResult
-from kvarn.attention import install_attention_seam
 from kvarn.layout import KVLayout
 from kvarn.pool import warm_quantizer
-from kvarn.rows import RowStore, batchable, count_quantized_layers, make_batch_cache, make_cache, paged_row, verify_room
+from kvarn.rows import (RowStore, batchable, count_quantized_layers, install_attention_seam, make_batch_cache,
+                        make_cache, paged_row, verify_room)
 from metal import KERNELS
 
 logger = logging.getLogger(__name__)

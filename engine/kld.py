@@ -27,9 +27,8 @@ import numpy as np
 from engine.engine import make_layout
 from engine.kv_config import KVConfig
 from engine.loader import LoadedModel
-from kvarn.attention import install_attention_seam
+from kvarn.rows import RowStore, install_attention_seam, make_batch_cache, make_cache
 from kvarn.batch import ChunkRows
-from kvarn.rows import RowStore, make_batch_cache, make_cache
 from kvarn.layout import KVLayout
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "kld_prompts.json"

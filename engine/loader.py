@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
@@ -124,3 +126,34 @@ def _vocab_size(config: dict[str, Any], model: nn.Module) -> int:
     return int(logits.shape[-1])
 
 
+# --- the model's body and head, apart ---
+
+def _candidate(model: Any) -> tuple[Callable, Callable] | None:
+    body = getattr(model, "model", None)
+    if not callable(body):
+        return None
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        embed = getattr(body, "embed_tokens", None)
+        head = getattr(embed, "as_linear", None)
+    return (body, head) if callable(head) else None
+
+
+def split_head(model: Any) -> tuple[Callable, Callable] | None:
+    """(body, head) such that ``head(body(x, cache=c))`` is ``model(x, cache=c)``, checked on a
+    three-token probe over a fresh mlx-lm cache; None where the model does not split so."""
+    split = _candidate(model)
+    if split is None:
+        return None
+    body, head = split
+    probe = mx.array([[1, 2, 3]], dtype=mx.int32)
+    try:
+        whole = model(probe, cache=make_prompt_cache(model))
+        parts = head(body(probe, cache=make_prompt_cache(model)))
+        mx.eval(whole, parts)
+    except Exception:  # a model whose body wants other arguments: it runs whole
+        logger.debug("the model's head does not split off", exc_info=True)
+        return None
+    if whole.shape != parts.shape or not mx.allclose(whole, parts, rtol=1e-5, atol=1e-5).item():
+        return None
+    return split

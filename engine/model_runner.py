@@ -1,55 +1,27 @@
 """The model runner and the model's forwards: it owns the rows (per-request KV caches, in the
-storage of its ``RowStore``, and sampler states), runs the forwards and samples. The forwards
-are a step's prompt chunks, with the LM head only where a token is sampled (``Forward``), and
-its decode batch under ``mx.compile``, traced once per shape bucket and then replayed with no
-Python graph building (``DecodeGraphs``).
+storage of its ``RowStore``, and sampler states), runs the forwards and samples. Only the engine
+thread calls it; ``docs/engine.md`` describes the step.
 
-Only the engine thread calls it. A step's prompt chunks of similar lengths run together: one
-forward of [B, T] tokens right-padded to the longest (``kvarn.batch.ChunkRows`` writes and
-attends each row's own tokens only), the LM head at each row's last token only and only for a
-prompt's last chunk (``Forward``). All decoding rows run as one batch: one forward
-of [B, 1] tokens over a batch cache per layer (``kvarn.rows.make_batch_cache``: one attention
-graph per layer for rows in the KVarN pool or the baselines' slots), so the weight matmuls are
-shared and every row still attends over exactly its own tokens. The decode batch persists across steps: rows join (``extend``) and
-leave (``filter``) without copying anyone's cache. A decode step is built as lazy MLX graphs and
-evaluated together; each prompt forward over rows in shared storage is evaluated before the next
-graph is built (MLX then updates the shared buffers in place). Rows under a grammar get their
-masks from ``RowGrammars`` (computed on a worker thread during the step's forward) and consume
-their tokens after it.
+Prompt chunks. A step's chunks of similar lengths run together: one forward of [B, T] tokens
+right-padded to the longest (``kvarn.batch.ChunkRows`` writes and attends each row's own tokens
+only), the LM head only at each row's last position of a prompt's last chunk (``Forward``: the
+model's body, then its head where a token is sampled; ``engine.loader.split_head``). Each prompt
+forward over rows in shared storage is evaluated before the next graph is built (MLX then
+updates the shared buffers in place).
 
-Prompt chunks. A prompt chunk needs logits at one position per row (its last token, and only in
-a prompt's last chunk); the model's ``__call__`` projects every position onto the vocabulary. ``Forward`` runs
-the model's body (``model.model``) and applies its head (``lm_head``, or the tied embedding's
-``as_linear``) to the positions asked for, as mlx-lm's own prompt processing avoids the head by
-never evaluating it. Whether a model splits so is checked once, at construction, on a fresh cache:
-the split must give the model's own logits (a model that post-processes them, e.g. with a
-soft cap, fails the check and runs whole).
-
-The decode batch. A decode step is planned by its storage as arrays (``kvarn.rows.plan_decode``:
-rows padded to a bucket, block tables to a width bucket, commits to a count bucket;
-``kvarn/decode_graph.py``, ``kvarn/slot_step.py``) and run as one pure function: the model's forward over per-layer caches made of the plan's and
-the storage's arrays, returning the logits and the storage's new arrays. ``DecodeGraphs`` keeps
-one compiled function per plan structure (``DecodePlan.static``), least recently used dropped
-past ``capacity``; MLX traces each again only when an input's shape changes (the pool grows).
-A step whose rows exceed the largest bucket runs the same function uncompiled (same results), as
-does every step with ``compile=False`` (``--enforce-eager``).
-
-A structure is compiled once it recurs: an ordinary step after ``compile_after`` uses (on a GPU
-at its first: the warm-up takes the common ones before serving; on the CPU at its third, where
-tracing one costs 0.04-0.3 s, 10-20 steps, and an uncompiled step ~1.1x a compiled one: a batch
-ramping up through its row buckets, a step each, traced 11 graphs for a wave of 16 chats), a step
-that commits KVarN tiles through the pure-MLX quantizer only after ``commit_after`` uses. A commit graph holds the quantizer (~200 operations a
-layer): tracing and compiling one took 1.7-3.5 s here, and at one user's pace a given commit
-structure (rows, table width, tiles) comes back a few times per context, so it runs uncompiled;
-on a busy server every step commits someone's tile and the same structures recur constantly. Where
-a commit kernel quantizes (CUDA, Metal, the CPU's: one operation a layer, nothing to fuse), a commit
-structure compiles at its first use like any other. Steps the storage cannot plan as
-arrays for one graph (models with layers of their own; slot rows attending one by one on a GPU)
-return None: the runner runs the forward through the batch caches, whose storage takes the same
-step layer by layer.
-
-vLLM captures CUDA graphs per batch-size bucket for the same reason: on a GPU a decode step
-built in Python costs ~10 us of host time per graph node, ~2,000 nodes a step at the 8B shape.
+The decode batch. All decoding rows run as one batch, a batch cache per layer that persists
+across steps: rows join and leave without copying anyone's cache, and a row keeps its place
+while it decodes (``DecodeBatch``). The step is planned by its storage as arrays
+(``kvarn.rows.plan_decode``: rows, block tables and commits padded to buckets) and run as one
+pure function, the model's forward over caches made of the plan's and the storage's arrays,
+returning the logits and the storage's new arrays. ``DecodeGraphs`` keeps one ``mx.compile``d
+function per plan structure, compiled once it recurs (at its first use on a GPU, its third on
+the CPU; a step that commits tiles through the pure-MLX quantizer after ``commit_after`` uses),
+least recently used dropped past ``capacity``; a step beyond the largest bucket, or every step
+with ``--enforce-eager``, runs the same function uncompiled (same results). Steps the storage
+cannot plan as arrays (models with layers of their own) return None and run layer by layer
+through the batch caches. Rows under a grammar get their masks from ``RowGrammars`` (a worker
+thread, during the forward) and consume their tokens after it.
 """
 
 from __future__ import annotations
@@ -61,19 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, split_head
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import (DEAD_END, PromptArrays, RowGrammars, SampleArrays, SamplerState, make_sampler_state,
                             sample, score_prompt)
 from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
 from engine.verify import Verifying, collect_verify, dispatch_verify, verify_choices
-from kvarn.batch import BatchRows, ChunkRows
+from kvarn.batch import ChunkRows
 from kvarn.decode_graph import ROW_BUCKETS, DecodePlan, written
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore, begin_verify, make_batch_cache, paged_row, plan_decode, verifies_in_batch
-from kvarn.attention import forward_context
+from kvarn.rows import DecodeBatch, RowStore, begin_verify, paged_row, plan_decode, verifies_in_batch
+from kvarn.step_context import forward_context
 from metal import KERNELS
 from metal.selector import KERNEL_COMMITS
 
@@ -104,60 +75,6 @@ class Dispatched:
     arrays: list[mx.array] = field(default_factory=list)
     failed: dict[RequestId, str] | None = None
     verifying: dict[RequestId, Verifying] = field(default_factory=dict)  # rows verifying drafts (``engine/verify.py``)
-
-
-class DecodeBatch:
-    """The rows decoding together as one batch cache per layer. A row keeps its place while it
-    decodes: one that leaves leaves a hole, filled by a row that joins, else by the batch's last
-    row, so the rows' storage stays where the step reads it (``kvarn.decode_graph.place_windows``,
-    ``kvarn.slots.SlotStore``: a hole costs one row's move, a join into a hole none) and the plan's
-    structure stays the same (``DecodeGraphs``)."""
-
-    def __init__(self) -> None:
-        self.ids: list[RequestId] = []
-        self.layers: list[BatchRows] = []
-
-    def sync(self, wanted: tuple[RequestId, ...], rows: Mapping[RequestId, Row]) -> None:
-        """The batch becomes ``wanted``: rows not in it leave, new ones take the holes, then the
-        end (nobody's cache is copied here)."""
-        keep, present = set(wanted), set(self.ids)
-        joining = [i for i in wanted if i not in present]
-        order = [i if i in keep else None for i in self.ids]
-        if None not in order and not joining:
-            return
-        for k, i in enumerate(order):
-            if i is None and joining:
-                order[k] = joining.pop(0)
-        while None in order:  # holes left: the last rows move into them
-            last = order.pop()
-            if last is not None:
-                order[order.index(None)] = last
-        order += joining
-        survivors = [i for i in self.ids if i in keep]
-        if len(survivors) < len(self.ids):
-            index = {i: k for k, i in enumerate(self.ids)}
-            for layer in self.layers:
-                layer.filter([index[i] for i in survivors])
-        new = [i for i in order if i not in present]
-        if new and not self.layers:
-            self.layers = [make_batch_cache([rows[i].cache[l] for i in new]) for l in range(len(rows[new[0]].cache))]
-        elif new:
-            for l, layer in enumerate(self.layers):
-                layer.extend(rows[i].cache[l] for i in new)
-        held = survivors + new  # the layers' order now
-        if held != order:
-            index = {i: k for k, i in enumerate(held)}
-            for layer in self.layers:
-                layer.filter([index[i] for i in order])
-        self.ids = order
-
-    def drop(self, gone: tuple[RequestId, ...]) -> None:
-        """Rows that ended leave at once (their caches are released with them)."""
-        if any(i in gone for i in self.ids):
-            self.sync(tuple(i for i in self.ids if i not in gone), {})
-
-    def clear(self) -> None:
-        self.ids, self.layers = [], []
 
 
 class ModelRunner:
@@ -391,7 +308,7 @@ class ModelRunner:
                     out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
             mx.async_eval([out[i] for i in ids])
             return {}
-        self.batch.sync(ids, self.rows)
+        self.batch.sync(ids, {i: self.rows[i].cache for i in ids})
         if after is not None:
             tokens = mx.stack([after.pending[i].token for i in self.batch.ids]).astype(mx.int32)[:, None]
         else:
@@ -411,7 +328,7 @@ class ModelRunner:
         """A decode batch in which some rows verify drafts: one planned forward of [B, T] tokens,
         each row writing its own count (1, or its last token and its drafts); ordinary rows get
         their next logits, verifying rows their choices at every position (``engine/verify.py``)."""
-        self.batch.sync(ids, self.rows)
+        self.batch.sync(ids, {i: self.rows[i].cache for i in ids})
         rows = [[requests[i].output_ids[-1], *drafts.get(i, ())] for i in self.batch.ids]
         counts = [len(r) for r in rows]
         T = max(counts)
@@ -484,37 +401,6 @@ def _scores(arrays: PromptArrays) -> PromptScores:
 
 
 # --- the model's forwards: prompt chunks ---
-
-def _candidate(model: Any) -> tuple[Callable, Callable] | None:
-    body = getattr(model, "model", None)
-    if not callable(body):
-        return None
-    head = getattr(model, "lm_head", None)
-    if head is None:
-        embed = getattr(body, "embed_tokens", None)
-        head = getattr(embed, "as_linear", None)
-    return (body, head) if callable(head) else None
-
-
-def split_head(model: Any) -> tuple[Callable, Callable] | None:
-    """(body, head) such that ``head(body(x, cache=c))`` is ``model(x, cache=c)``, checked on a
-    three-token probe over a fresh mlx-lm cache; None where the model does not split so."""
-    split = _candidate(model)
-    if split is None:
-        return None
-    body, head = split
-    probe = mx.array([[1, 2, 3]], dtype=mx.int32)
-    try:
-        whole = model(probe, cache=make_prompt_cache(model))
-        parts = head(body(probe, cache=make_prompt_cache(model)))
-        mx.eval(whole, parts)
-    except Exception:  # a model whose body wants other arguments: it runs whole
-        logger.debug("the model's head does not split off", exc_info=True)
-        return None
-    if whole.shape != parts.shape or not mx.allclose(whole, parts, rtol=1e-5, atol=1e-5).item():
-        return None
-    return split
-
 
 class Forward:
     """The model's prompt forward with logits at chosen positions only."""

@@ -30,7 +30,7 @@ from engine.request import Request, RequestId, TokenLogprob
 from engine.step_types import SampledToken
 from kvarn.batch import ChunkRows
 from kvarn.rows import begin_verify, end_verify
-from kvarn.attention import forward_context
+from kvarn.step_context import forward_context
 
 
 @dataclass

@@ -1,190 +1,37 @@
-"""Attention over kvarn's storages: the seam from an mlx-lm model into them and its dispatch, a
-decode batch's attention over the paged KVarN records where no fused kernel attends, and a KVarN
-prompt chunk's attention (``kvarn.cpu_attention`` holds the CPU's own products); and the
-per-forward context every layer's cache and attention share (``StepContext``).
+"""Attention over the paged KVarN rows (``kvarn.paged``), as pure functions of arrays: a decode
+batch's where no fused kernel attends, and a prompt chunk's. The storages call them from their
+``attend`` (the model reaches that through the seam, ``kvarn.rows``); ``kvarn.cpu_attention`` holds the
+CPU's own products.
 
-The seam. mlx-lm models call ``scaled_dot_product_attention(queries, keys, values, cache, scale,
-mask)`` from ``mlx_lm.models.base`` after ``cache.update_and_fetch``; each model module binds that
-name at import time. ``install_attention_seam`` (called once, by ``engine.make_engine``) replaces it
-in every loaded ``mlx_lm.models.*`` module with ``make_dispatch``'s function, which routes by the
-cache the model passes, by capability: a storage that attends its own way has
-``attend(queries, keys, values, *, scale, mask, sinks, dispatch, default)``, and no class is
-named here:
-
-- ``kvarn.paged.PagedLayer.attend``: one KVarN row's prompt chunk (``chunk_attention_over``) or
-  lone decode token; a decode step's layer (``kvarn.decode_graph.PagedStepLayer.attend``, also
-  behind ``kvarn.paged.PagedBatch``): a whole decode batch in one graph (``decode_attention_over``);
-- ``kvarn.slot_step.SlotStepLayer.attend`` (also behind ``kvarn.slots.SlotBatch``): the
-  baselines' decode batch (the fused ragged kernel where the device has it, one call per deep row
-  where that is faster, else ``default``);
-- ``kvarn.batch.BatchRows.attend``: other rows batched together, each row through ``dispatch``;
-- any other cache: ``default``, mlx-lm's own function (affine codes dequantized first where MLX
-  lacks their ``quantized_matmul`` kernels, CUDA).
-
-mlx-lm 0.32 has no attention-backend hook to register with, so this is the one seam; a model
-whose module no longer holds the name fails at start-up rather than silently running fp16.
-
-Decode attention of paged KVarN rows (``kvarn.paged``) after their step's write
+Decode attention of paged KVarN rows after their step's write
 (``kvarn.decode_graph.PagedStepLayer``): every row of one layer over its window and its records.
-Where ``metal.KERNELS`` has a fused kernel for this device and shape (CUDA, or Metal on an Apple
-GPU: it reads the pool in place) the step calls it itself (``PagedStepLayer``). Here: from the
-codes of the rows' gathered records where MLX reads quantized codes (the CPU: unpacked to float32
-for OpenBLAS products, ``kvarn.cpu_attention``, for 2-, 4- and 8-bit codes; Metal and other
-widths: ``mx.quantized_matmul``), else one SDPA over the records gathered and dequantized (the
-reference path), under the step's per-row validity mask.
+Where ``metal.KERNELS`` has a fused kernel for this device and shape (CUDA, the CPU's kernels, or
+Metal on an Apple GPU: it reads the pool in place) the step calls it. Here: from the codes of
+the rows' gathered records where MLX reads quantized codes (the CPU without its kernels:
+unpacked to float32 for OpenBLAS products, ``kvarn.cpu_attention``, for 2-, 4- and 8-bit codes;
+Metal and other widths: ``mx.quantized_matmul``), else one SDPA over the records gathered and
+dequantized (the reference path), under the step's per-row validity mask.
 
 Attention of a KVarN prompt chunk (the first one too): each token sees what decode would show it.
 A chunk's tokens attend the row's sink, the records committed before them (dequantized once
 to the attention dtype) and their own tile in float16, under one additive mask per chunk
 (``chunk_view_mask``, shared by every layer of the forward through its ``StepContext``), so a
 row's cache and outputs do not depend on how its prompt was chunked (docs/kvarn.md, "Attention").
-
-The per-forward context: what every layer of one forward shares, made once per forward. A
-forward runs the same rows through every layer, and each layer's cache would otherwise build
-the same small arrays again: the rows' RoPE offsets, the fp16 slots' write indices, the fused
-kernels' launch plans, a prompt chunk's attention mask, the paged pool's step index (window
-rows, commit plan, block tables, validity mask). The runner makes one ``StepContext`` per
-forward and hands it to every layer's cache for the length of that forward:
-
-    with forward_context(caches):          # engine/model_runner.py: each prompt or decode forward
-        logits = model(tokens, cache=caches)   # layer 0 makes what the step needs, layers 1.. read it
-
-Inside, a cache asks ``step_of(self).get(what, make)``: ``make()`` runs for the first layer that
-asks and the others get its result. The context is detached when the forward has been built, so
-nothing of one step is read by the next (a cache used outside a runner's forward, as in tests,
-gets a fresh context on every ask: the same results, made again).
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Hashable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import QuantizedKVCache
 
 from kvarn import cpu_attention
 from kvarn.pool import RECORD_FIELDS, dequantize_blocks
 from kvarn.quantize import rotate
+from kvarn.step_context import StepContext
 from metal import KERNELS
 from metal.selector import FUSED
-
-# --- the per-forward context ---
-
-T = TypeVar("T")
-
-
-class StepContext:
-    """What one forward's layers share (module docstring). ``what`` names a thing and, where
-    layers could differ (heads, buffer shapes), what it depends on, e.g. ``("flat_rows", H, T)``."""
-
-    __slots__ = ("_made",)
-
-    def __init__(self) -> None:
-        self._made: dict[Hashable, Any] = {}
-
-    def get(self, what: Hashable, make: Callable[[], T]) -> T:
-        if what not in self._made:
-            self._made[what] = make()
-        return self._made[what]
-
-
-def step_of(cache: Any) -> StepContext:
-    """The context ``cache`` runs in: its forward's, or a fresh one outside a runner's forward."""
-    step = getattr(cache, "step", None)
-    return step if step is not None else StepContext()
-
-
-def _members(caches: Iterable[Any]) -> Iterator[Any]:
-    """Every cache of a forward: each layer's cache and, for batches, the rows inside it."""
-    for cache in caches:
-        yield cache
-        yield from getattr(cache, "rows", ())
-
-
-@contextmanager
-def forward_context(caches: Iterable[Any]) -> Iterator[StepContext]:
-    """One forward's context attached to ``caches`` (per-layer caches, batches with their rows)
-    while the forward is built, detached afterwards."""
-    members = list(_members(caches))
-    step = StepContext()
-    for cache in members:
-        cache.step = step
-    try:
-        yield step
-    finally:
-        for cache in members:
-            cache.step = None
-
-
-# --- the seam ---
-
-SEAM_NAME = "scaled_dot_product_attention"
-_SEAM_MARK = "__kvarn_seam__"
-
-
-def affine_dequantized_attention(queries: mx.array, keys: tuple, values: tuple, cache: QuantizedKVCache,
-                                 scale: float, mask: Any, sinks: mx.array | None) -> mx.array:
-    """mlx-lm's affine cache through dequantization: where MLX CUDA has no ``quantized_matmul``
-    kernel for a sequence length (any odd one), this gives the same values to float noise."""
-    k = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits).astype(queries.dtype)
-    v = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits).astype(queries.dtype)
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
-
-
-def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """The seam around mlx-lm's ``original`` function: a cache that knows how it attends (it has
-    ``attend``: paged KVarN rows and batches, slot batches, batches of other rows) is asked;
-    otherwise mlx-lm's own attention runs (affine codes dequantized first where MLX lacks their
-    kernels), or on the CPU, for float32 keys, ``kvarn.cpu_attention.attention`` (MLX's CPU SDPA
-    is unfused, with a scalar exp: fp16 slots decoding one 3,072-token row took 1.77 ms a layer
-    there against ~0.8 ms)."""
-    def default(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
-        if isinstance(keys, tuple) and getattr(cache, "bits", None) is not None and not reads_codes_directly():
-            return affine_dequantized_attention(queries, keys, values, cache, scale, mask, sinks)
-        if cpu_attention.runs(queries, keys, mask, sinks):  # MLX's CPU SDPA: a scalar exp, B-packing products
-            if isinstance(mask, str):
-                mask = cpu_attention.causal_mask(queries.shape[2], keys.shape[2])
-            return cpu_attention.attention(queries, keys, values, scale, mask)
-        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
-        attend = getattr(cache, "attend", None)
-        if attend is None:
-            return default(queries, keys, values, cache, scale, mask, sinks)
-        return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
-                      dispatch=scaled_dot_product_attention, default=default)
-
-    setattr(scaled_dot_product_attention, _SEAM_MARK, True)
-    return scaled_dot_product_attention
-
-
-def install_attention_seam(model: Any) -> list[str]:
-    """Route every mlx-lm model module's ``scaled_dot_product_attention`` through KVarN.
-
-    mlx-lm model modules bind the function at import time, so each loaded ``mlx_lm.models.*``
-    module that holds it is patched. Fails loudly if the model's own module does not hold it
-    (a new mlx-lm that moved the seam must not silently run fp16). Returns the patched modules.
-    """
-    own = sys.modules[type(model).__module__]
-    if not callable(getattr(own, SEAM_NAME, None)):
-        raise RuntimeError(f"{own.__name__} has no '{SEAM_NAME}': cannot route attention to KVarN "
-                           "(mlx-lm's attention seam moved; refusing to run without it)")
-    patched = []
-    for name, module in list(sys.modules.items()):
-        current = getattr(module, SEAM_NAME, None) if name.startswith("mlx_lm.models.") else None
-        if current is None:
-            continue
-        if not getattr(current, _SEAM_MARK, False):  # installed once per module, never wrapped twice
-            setattr(module, SEAM_NAME, make_dispatch(current))
-        patched.append(name)
-    if own.__name__ not in patched:
-        raise RuntimeError(f"failed to install the KVarN attention seam in {own.__name__}")
-    return patched
-
 
 # --- decode attention of paged KVarN rows where no fused kernel attends ---
 

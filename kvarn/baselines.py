@@ -3,7 +3,7 @@
 
 A row given a ``capacity`` (its reservation: prompt + max_tokens) allocates exactly that many
 token slots at its first update instead of mlx-lm's 256-token steps, whose final size depends on
-how the prompt was chunked; so its bytes are known up front (capacity pricing, ``engine.scheduler``).
+how the prompt was chunked; so its bytes are known up front (capacity pricing, ``engine.pricing``).
 """
 
 from __future__ import annotations

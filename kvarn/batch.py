@@ -14,7 +14,7 @@ batch only points at the rows' caches:
 - ``offset``: per-row RoPE offsets (an int32 array, one per row), which mlx-lm models pass
   to ``mx.fast.rope`` as is;
 - ``update_and_fetch``: each row takes its own key/value and commits a tile at its own step;
-- attention (``kvarn.attention``'s seam) runs each row over exactly its own valid tokens: the
+- attention (the seam, ``kvarn.rows``) runs each row over exactly its own valid tokens: the
   ragged rows need no padding and no validity mask, and a row's scores never see another
   row's tokens. The weight matmuls around it (projections, MLP, LM head) run batched.
 """

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from kvarn.attention import decode_attention_over, fused_attention, step_of
+from kvarn.attention import decode_attention_over, fused_attention
+from kvarn.step_context import step_of
 from kvarn.layout import KVLayout
 from kvarn.pool import PAD, RECORD_FIELDS, STORE_DTYPE, LayerArrays, quantize_window_tails
 from kvarn.quantize import rotate

@@ -30,7 +30,8 @@ import numpy as np
 
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from kvarn.attention import Chunk, attention_dtype, chunk_attention_over, step_of
+from kvarn.attention import Chunk, attention_dtype, chunk_attention_over
+from kvarn.step_context import step_of
 from kvarn.batch import BatchRows
 from kvarn.decode_graph import PagedStepLayer, decode_step, decode_write, rounded
 from kvarn.layout import KVLayout
@@ -365,7 +366,7 @@ class PagedLayer(_BaseCache):
             self.tail_len -= n
         self.offset -= n
 
-    # --- attention (the seam's entry for one row: ``kvarn.attention``) ---
+    # --- attention (the seam's entry for one row: ``kvarn.rows``; the math: ``kvarn.attention``) ---
     def attend(self, queries: mx.array, keys: Any, values: Any, *, scale: float, mask: Any,
                sinks: mx.array | None, dispatch: Any, default: Any) -> mx.array:
         """One row's prompt chunk (the first one too: ``kvarn.attention.chunk_attention_over``) or

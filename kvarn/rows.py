@@ -1,4 +1,5 @@
-"""How a row is stored: the one place that knows every storage (the storage factory).
+"""How a row is stored and how the model reaches it: the one place that knows every storage (the
+storage factory), and the attention seam, the model's one way into the storages.
 
 A row is one cache per layer. Which storage a layer gets is decided here, and so is everything
 that differs by storage: making, forking, releasing, batching, snapshotting and restoring rows.
@@ -16,17 +17,44 @@ Nowhere else branches on cache classes.
 - Layers with a cache of their own (sliding windows, recurrent state) keep their model's cache,
   for every layout. Their prefix reuse is whole-row snapshots (the checkpoint tier), which each
   storage writes and reads itself (``snapshot`` / ``restore``).
+
+The attention seam, the one place attention is routed. mlx-lm models call
+``scaled_dot_product_attention(queries, keys, values, cache, scale, mask)`` from
+``mlx_lm.models.base`` after ``cache.update_and_fetch``; each model module binds that name at
+import time. ``install_attention_seam`` (called once, by ``engine.make_engine``) replaces it
+in every loaded ``mlx_lm.models.*`` module with ``make_dispatch``'s function, which routes by the
+cache the model passes, by capability: a storage that attends its own way has
+``attend(queries, keys, values, *, scale, mask, sinks, dispatch, default)``, and no class is
+named here:
+
+- ``kvarn.paged.PagedLayer.attend``: one KVarN row's prompt chunk
+  (``kvarn.attention.chunk_attention_over``) or lone decode token; a decode step's layer
+  (``kvarn.decode_graph.PagedStepLayer.attend``, also behind ``kvarn.paged.PagedBatch``): a whole
+  decode batch in one graph (a fused kernel, else ``kvarn.attention.decode_attention_over``);
+- ``kvarn.slot_step.SlotStepLayer.attend`` (also behind ``kvarn.slots.SlotBatch``): the
+  baselines' decode batch (the fused ragged kernel where the device has it, one call per deep row
+  where that is faster, else ``default``);
+- ``kvarn.batch.BatchRows.attend``: other rows batched together, each row through ``dispatch``;
+- any other cache: ``default``, mlx-lm's own function (affine codes dequantized first where MLX
+  lacks their ``quantized_matmul`` kernels, CUDA; float32 on the CPU through
+  ``kvarn.cpu_attention``).
+
+mlx-lm 0.32 has no attention-backend hook to register with, so this is the one seam; a model
+whose module no longer holds the name fails at start-up rather than silently running fp16.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+from kvarn import cpu_attention
+from kvarn.attention import reads_codes_directly
 from kvarn.baselines import AffineKVCache, FP16KVCache, fork_other
 from kvarn.batch import BatchRows
 from kvarn.decode_graph import DecodePlan, paged_plan
@@ -176,6 +204,60 @@ def make_batch_cache(layer_rows: Sequence[Any]) -> Any:
     if layer_rows and isinstance(layer_rows[0], SlotRow):
         return SlotBatch(layer_rows)
     return BatchRows(layer_rows, row_type=type(layer_rows[0]) if layer_rows else object)
+
+
+class DecodeBatch:
+    """The rows decoding together as one batch cache per layer. A row keeps its place while it
+    decodes: one that leaves leaves a hole, filled by a row that joins, else by the batch's last
+    row, so the rows' storage stays where the step reads it (``kvarn.decode_graph.place_windows``,
+    ``kvarn.slots.SlotStore``: a hole costs one row's move, a join into a hole none) and the plan's
+    structure stays the same (``engine/model_runner.py: DecodeGraphs``)."""
+
+    def __init__(self) -> None:
+        self.ids: list[Hashable] = []
+        self.layers: list[BatchRows] = []
+
+    def sync(self, wanted: tuple[Hashable, ...], caches: Mapping[Hashable, Sequence[Any]]) -> None:
+        """The batch becomes ``wanted`` (row ids; ``caches``: a joining row's cache, one per layer):
+        rows not in it leave, new ones take the holes, then the end (nobody's cache is copied here)."""
+        keep, present = set(wanted), set(self.ids)
+        joining = [i for i in wanted if i not in present]
+        order = [i if i in keep else None for i in self.ids]
+        if None not in order and not joining:
+            return
+        for k, i in enumerate(order):
+            if i is None and joining:
+                order[k] = joining.pop(0)
+        while None in order:  # holes left: the last rows move into them
+            last = order.pop()
+            if last is not None:
+                order[order.index(None)] = last
+        order += joining
+        survivors = [i for i in self.ids if i in keep]
+        if len(survivors) < len(self.ids):
+            index = {i: k for k, i in enumerate(self.ids)}
+            for layer in self.layers:
+                layer.filter([index[i] for i in survivors])
+        new = [i for i in order if i not in present]
+        if new and not self.layers:
+            self.layers = [make_batch_cache([caches[i][l] for i in new]) for l in range(len(caches[new[0]]))]
+        elif new:
+            for l, layer in enumerate(self.layers):
+                layer.extend(caches[i][l] for i in new)
+        held = survivors + new  # the layers' order now
+        if held != order:
+            index = {i: k for k, i in enumerate(held)}
+            for layer in self.layers:
+                layer.filter([index[i] for i in order])
+        self.ids = order
+
+    def drop(self, gone: tuple[Hashable, ...]) -> None:
+        """Rows that ended leave at once (their caches are released with them)."""
+        if any(i in gone for i in self.ids):
+            self.sync(tuple(i for i in self.ids if i not in gone), {})
+
+    def clear(self) -> None:
+        self.ids, self.layers = [], []
 
 
 def plan_decode(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] | None = None) -> DecodePlan | None:
@@ -353,3 +435,69 @@ def _load_layer(layer: Any, meta: dict[str, Any], arrays: list[mx.array]) -> Any
             layer.cache[i] = a
         return layer
     raise ValueError(f"snapshot layer {kind} does not fit a {type(layer).__name__} row")
+
+
+# --- the attention seam ---
+
+SEAM_NAME = "scaled_dot_product_attention"
+_SEAM_MARK = "__kvarn_seam__"
+
+
+def affine_dequantized_attention(queries: mx.array, keys: tuple, values: tuple, cache: QuantizedKVCache,
+                                 scale: float, mask: Any, sinks: mx.array | None) -> mx.array:
+    """mlx-lm's affine cache through dequantization: where MLX CUDA has no ``quantized_matmul``
+    kernel for a sequence length (any odd one), this gives the same values to float noise."""
+    k = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits).astype(queries.dtype)
+    v = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits).astype(queries.dtype)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+
+
+def make_dispatch(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """The seam around mlx-lm's ``original`` function: a cache that knows how it attends (it has
+    ``attend``: paged KVarN rows and batches, slot batches, batches of other rows) is asked;
+    otherwise mlx-lm's own attention runs (affine codes dequantized first where MLX lacks their
+    kernels), or on the CPU, for float32 keys, ``kvarn.cpu_attention.attention`` (MLX's CPU SDPA
+    is unfused, with a scalar exp: fp16 slots decoding one 3,072-token row took 1.77 ms a layer
+    there against ~0.8 ms)."""
+    def default(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
+        if isinstance(keys, tuple) and getattr(cache, "bits", None) is not None and not reads_codes_directly():
+            return affine_dequantized_attention(queries, keys, values, cache, scale, mask, sinks)
+        if cpu_attention.runs(queries, keys, mask, sinks):  # MLX's CPU SDPA: a scalar exp, B-packing products
+            if isinstance(mask, str):
+                mask = cpu_attention.causal_mask(queries.shape[2], keys.shape[2])
+            return cpu_attention.attention(queries, keys, values, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001
+        attend = getattr(cache, "attend", None)
+        if attend is None:
+            return default(queries, keys, values, cache, scale, mask, sinks)
+        return attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks,
+                      dispatch=scaled_dot_product_attention, default=default)
+
+    setattr(scaled_dot_product_attention, _SEAM_MARK, True)
+    return scaled_dot_product_attention
+
+
+def install_attention_seam(model: Any) -> list[str]:
+    """Route every mlx-lm model module's ``scaled_dot_product_attention`` through KVarN.
+
+    mlx-lm model modules bind the function at import time, so each loaded ``mlx_lm.models.*``
+    module that holds it is patched. Fails loudly if the model's own module does not hold it
+    (a new mlx-lm that moved the seam must not silently run fp16). Returns the patched modules.
+    """
+    own = sys.modules[type(model).__module__]
+    if not callable(getattr(own, SEAM_NAME, None)):
+        raise RuntimeError(f"{own.__name__} has no '{SEAM_NAME}': cannot route attention to KVarN "
+                           "(mlx-lm's attention seam moved; refusing to run without it)")
+    patched = []
+    for name, module in list(sys.modules.items()):
+        current = getattr(module, SEAM_NAME, None) if name.startswith("mlx_lm.models.") else None
+        if current is None:
+            continue
+        if not getattr(current, _SEAM_MARK, False):  # installed once per module, never wrapped twice
+            setattr(module, SEAM_NAME, make_dispatch(current))
+        patched.append(name)
+    if own.__name__ not in patched:
+        raise RuntimeError(f"failed to install the KVarN attention seam in {own.__name__}")
+    return patched

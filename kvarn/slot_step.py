@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from kvarn.decode_graph import ROW_BUCKETS, DecodePlan, bucket
-from kvarn.attention import StepContext, step_of
+from kvarn.step_context import StepContext, step_of
 from metal import KERNELS
 from metal.selector import FUSED
 from metal.cuda.ragged_decode import planned_attention as ragged_planned

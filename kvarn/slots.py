@@ -56,7 +56,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from kvarn.slot_step import SlotStepLayer, slot_write
-from kvarn.attention import step_of
+from kvarn.step_context import step_of
 
 Leg = mx.array | tuple[mx.array, ...]  # fp16: one array; affine: (codes, scales, biases)
 

@@ -18,8 +18,9 @@ from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
+import kvarn.rows as rows_module
 from kvarn.decode_graph import table_bucket
-from kvarn.rows import plan_decode
+from kvarn.rows import DecodeBatch, plan_decode
 
 ARMS = {"fp16": KVConfig("fp16"), "kvarn-k4v2": KVConfig("kvarn", 4, 2),
         "kvarn-window": KVConfig("kvarn", 4, 2, max_kv_size=256)}
@@ -133,8 +134,7 @@ def test_padding_rows_never_change_a_real_rows_logits(loaded, arm, monkeypatch):
     results = []
     for pad in (True, False):
         forks = [runner.store.fork(c) for c in snapshot]  # the same history, fresh rows each time
-        from engine.model_runner import DecodeBatch, Row
-        rows = {f"f{k}": Row(f, None, None) for k, f in enumerate(forks)}
+        rows = {f"f{k}": f for k, f in enumerate(forks)}
         batch = DecodeBatch()
         batch.sync(tuple(rows), rows)
         plan = plan_decode(batch.layers, pad=pad)
@@ -219,9 +219,9 @@ class _Layer:
 def test_a_row_keeps_its_place_in_the_decode_batch(monkeypatch):
     """A row that leaves leaves a hole: a joining row takes it, else the batch's last row moves
     into it; nobody else moves (their storage stays where the step reads it)."""
-    monkeypatch.setattr(model_runner, "make_batch_cache", _Layer)
-    rows = {i: model_runner.Row([f"{i}/0", f"{i}/1"], None, None) for i in "abcdefgh"}
-    batch = model_runner.DecodeBatch()
+    monkeypatch.setattr(rows_module, "make_batch_cache", _Layer)
+    rows = {i: [f"{i}/0", f"{i}/1"] for i in "abcdefgh"}
+    batch = DecodeBatch()
     batch.sync(tuple("abcd"), rows)
     steps = [("acde", "aecd"),  # b's place goes to e
              ("ecd", "dec"),  # a leaves and nobody joins: the last row, d, takes its place

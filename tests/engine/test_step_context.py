@@ -19,7 +19,7 @@ from engine.engine import make_engine
 from engine.kv_config import ApcConfig, KVConfig
 from engine.request import Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
-from kvarn.attention import StepContext, forward_context, step_of
+from kvarn.step_context import StepContext, forward_context, step_of
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=1024, prefill_chunk_size=256)

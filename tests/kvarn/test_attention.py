@@ -33,7 +33,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from kvarn import attention as PA
 from kvarn import quantize as Q
-from kvarn.attention import make_dispatch
+from kvarn.rows import make_dispatch
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer, PagedRow
 from kvarn.paged import PagedBatch

@@ -9,13 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvarn.attention import install_attention_seam
+from kvarn.rows import RowStore, install_attention_seam, make_batch_cache, make_cache
 from kvarn.baselines import AffineKVCache, FP16KVCache
 from kvarn.batch import BatchRows, RowMasks
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer
 from kvarn.paged import PagedBatch
-from kvarn.rows import RowStore, make_batch_cache, make_cache
 from tests.kvarn.row_contents import Fed, assert_row_holds, assert_same_bytes, row_contents
 from tests.kvarn.test_models import build
 

@@ -12,10 +12,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import base
 
-from kvarn.attention import install_attention_seam, make_dispatch
+from kvarn.rows import RowStore, install_attention_seam, make_dispatch
 from kvarn.batch import ChunkRows, RowMasks
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore
 from kvarn.slots import SlotStore
 from tests.kvarn.test_models import build
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvarn import cpu_attention as CA
 from kvarn import attention as PA
+from kvarn.rows import make_dispatch
 from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks
 from tests.kvarn import reference as R
@@ -85,7 +86,7 @@ def test_the_seam_runs_cpu_attention_for_float32_keys_and_mlx_lm_s_own_otherwise
     other dtypes and sinks go to mlx-lm's function."""
     calls = []
     monkeypatch.setattr(CA, "attention", lambda *a: calls.append("cpu") or a[0])
-    seam = PA.make_dispatch(lambda q, k, v, **kw: calls.append("mlx-lm") or q)
+    seam = make_dispatch(lambda q, k, v, **kw: calls.append("mlx-lm") or q)
     q, k = mx.zeros((1, 4, 1, 128)), mx.zeros((1, 2, 8, 128))
     for mask in (None, "causal", mx.ones((1, 1, 1, 8), dtype=mx.bool_)):
         seam(q, k, k, cache=None, scale=1.0, mask=mask)

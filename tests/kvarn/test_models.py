@@ -33,11 +33,10 @@ from engine.kv_config import KVConfig
 from engine.loader import LoadedModel, load_model
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
-from kvarn.attention import SEAM_NAME, install_attention_seam
+from kvarn.rows import SEAM_NAME, count_quantized_layers, install_attention_seam, make_cache, restore, snapshot
 from kvarn.baselines import FP16KVCache
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer
-from kvarn.rows import count_quantized_layers, make_cache, restore, snapshot
 from tests.kvarn.row_contents import assert_same_bytes, row_contents
 
 VOCAB = 512

@@ -14,12 +14,10 @@ import numpy as np
 import pytest
 
 from kvarn import cpu_attention
-from kvarn.attention import install_attention_seam
+from kvarn.rows import RowStore, install_attention_seam, make_batch_cache, make_cache, make_row_cache, make_stores
 from kvarn.baselines import AffineKVCache, FP16KVCache
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore, make_batch_cache, make_cache
 from kvarn.slot_step import fused_decode_available
-from kvarn.rows import make_row_cache, make_stores
 from kvarn.slots import SlotBatch, SlotRow, SlotStore
 from tests.kvarn.test_models import build
 

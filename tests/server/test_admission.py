@@ -7,7 +7,7 @@
 - ``n > 1``: n choices, the prompt counted once, greedy choices equal to the n=1 answer, seeded
   choice i equal to an n=1 request seeded seed+i, streamed choices equal to non-streamed ones.
 
-The budgets are computed from the bundled model's shape with ``engine.scheduler``'s pricing (pure Python),
+The budgets are computed from the bundled model's shape with ``engine.pricing`` (pure Python),
 and one test checks that the server's own reservation is exactly that price.
 """
 
