@@ -8,7 +8,10 @@ On MLX's CPU backend the arithmetic runs on MLX's stream worker threads and Open
 so ``time.thread_time()`` of the thread that calls ``engine.step()`` counts only that thread's
 CPU time: Python plus MLX's C++ graph building and dispatch, not the math, and not the time it
 waits for the result. Host time of a step = the ``thread_time()`` delta around ``engine.step()``;
-wall time = the ``perf_counter()`` delta; host share = median host / median wall.
+wall time = the ``perf_counter()`` delta; host share = median host / median wall. Python time of a
+step = its host time less the part inside MLX's own calls (``mx.eval``, ``mx.async_eval`` and
+every function ``mx.compile`` returns, patched before the engine is imported): the Python that
+plans, builds and reads the step, MLX ops it calls one by one included (the graph built in Python).
 
 Per layout arm (``fp16`` and ``kvarn-k4v2``: ``make_engine`` with ``KVConfig(scheme=...)``, the
 prefix cache off, the bundled model, OpenBLAS preloaded as ``kvarn`` does) and per concurrency in
@@ -50,11 +53,42 @@ def p90(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=10, method="inclusive")[-1]
 
 
-def summarize(host: list[float], wall: list[float]) -> dict:
+def summarize(host: list[float], wall: list[float], python: list[float]) -> dict:
     host_med, wall_med = statistics.median(host), statistics.median(wall)
     return {"host_ms": round(host_med, 4), "host_ms_p90": round(p90(host), 4),
+            "python_ms": round(statistics.median(python), 4), "python_ms_p90": round(p90(python), 4),
             "wall_ms": round(wall_med, 4), "wall_ms_p90": round(p90(wall), 4),
             "share": round(host_med / wall_med, 4)}
+
+
+NATIVE = {"ms": 0.0, "depth": 0}  # the measuring thread's CPU time inside MLX's evaluation and compiled replays
+
+
+def timed_native(fn):  # noqa: ANN001, ANN201
+    """``fn`` with the calling thread's CPU time inside it added to ``NATIVE`` (outermost call only)."""
+    def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if NATIVE["depth"]:
+            return fn(*args, **kwargs)
+        NATIVE["depth"] += 1
+        start = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            NATIVE["ms"] += (time.thread_time() - start) * 1e3
+            NATIVE["depth"] -= 1
+    return call
+
+
+def time_native_calls(mx) -> None:  # noqa: ANN001
+    """Count MLX's own host work apart: ``mx.eval`` / ``mx.async_eval`` (MLX walking the graph and
+    dispatching it) and every function ``mx.compile`` returns (a replay rebuilds the recorded graph
+    in C++). Patched before the engine's modules are imported, so their ``mx.`` calls go through it."""
+    mx.eval, mx.async_eval = timed_native(mx.eval), timed_native(mx.async_eval)
+    compile_ = mx.compile
+
+    def compile_timed(fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        return timed_native(compile_(fn, *args, **kwargs))
+    mx.compile = compile_timed
 
 
 # ---- the measurement (a subprocess, cwd and PYTHONPATH the tree measured) ----
@@ -79,12 +113,14 @@ def measure_rows(engine, rows: int, args: argparse.Namespace, rng: random.Random
         engine.step()
     graphs = getattr(engine.runner, "graphs", None)  # compiled decode graphs, where the tree has them
     traces = getattr(graphs, "traces", None)
-    host, wall = [], []
+    host, wall, python = [], [], []
     for _ in range(args.steps):
         before = [len(r.output_ids) for r in requests]
+        native = NATIVE["ms"]
         t0, w0 = time.thread_time(), time.perf_counter()
         engine.step()
         w1, t1 = time.perf_counter(), time.thread_time()
+        python.append((t1 - t0) * 1e3 - (NATIVE["ms"] - native))
         if any(len(r.output_ids) != n + 1 for r, n in zip(requests, before)):
             raise RuntimeError("a timed step was not one decode token for every row")
         host.append((t1 - t0) * 1e3)
@@ -94,7 +130,7 @@ def measure_rows(engine, rows: int, args: argparse.Namespace, rng: random.Random
         engine.abort_request(request.request_id)
     while engine.has_work():
         engine.step()
-    return {**summarize(host, wall), "prefill_steps": prefill_steps, "traces_timed": traced}
+    return {**summarize(host, wall, python), "prefill_steps": prefill_steps, "traces_timed": traced}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -102,6 +138,8 @@ def child(args: argparse.Namespace) -> None:
 
     maybe_reexec_with_openblas()
     import mlx.core as mx
+
+    time_native_calls(mx)
 
     from engine.engine import make_engine
     from engine.kv_config import ApcConfig, KVConfig
@@ -120,6 +158,7 @@ def child(args: argparse.Namespace) -> None:
         for n in rows:
             result["arms"][arm][str(n)] = figures = measure_rows(engine, n, args, rng, loaded.vocab_size, arm)
             print(f"  {arm:>10} c={n:<3} host {figures['host_ms']:.2f} ms (p90 {figures['host_ms_p90']:.2f}), "
+                  f"python {figures['python_ms']:.2f} ms, "
                   f"wall {figures['wall_ms']:.2f} ms, share {figures['share']:.2f}", file=sys.stderr, flush=True)
         del engine
     Path(args.child_out).write_text(json.dumps(result))
@@ -144,7 +183,7 @@ def run_tree(script: Path, tree: Path, args: argparse.Namespace, out: Path) -> d
 def medians(runs: list[dict]) -> dict:
     arms = runs[0]["arms"]
     return {arm: {n: {key: round(statistics.median(r["arms"][arm][n][key] for r in runs), 4)
-                      for key in ("host_ms", "host_ms_p90", "wall_ms", "wall_ms_p90", "share")}
+                      for key in ("host_ms", "host_ms_p90", "python_ms", "python_ms_p90", "wall_ms", "wall_ms_p90", "share")}
                   for n in arms[arm]}
             for arm in arms}
 
@@ -182,16 +221,16 @@ def parent(args: argparse.Namespace) -> None:
     ratios = {}
     if "base" in median:
         ratios = {arm: {n: {key: round(median["current"][arm][n][key] / median["base"][arm][n][key], 4)
-                            for key in ("host_ms", "wall_ms", "share")}
+                            for key in ("host_ms", "python_ms", "wall_ms", "share")}
                         for n in median["current"][arm]}
                   for arm in median["current"]}
-    print(f"\n{'arm':>10} {'rows':>4} " + " ".join(f"{name + ' host/wall/share':>30}" for name in median)
-          + ("   host ratio" if ratios else ""))
+    print(f"\n{'arm':>10} {'rows':>4} " + " ".join(f"{name + ' host/python/wall ms':>30}" for name in median)
+          + ("   host, python ratio" if ratios else ""))
     for arm in ARMS:
         for n in median["current"][arm]:
-            cells = " ".join(f"{m[arm][n]['host_ms']:9.2f} {m[arm][n]['wall_ms']:9.2f} {m[arm][n]['share']:9.2f} ms"
+            cells = " ".join(f"{m[arm][n]['host_ms']:9.2f} {m[arm][n]['python_ms']:9.2f} {m[arm][n]['wall_ms']:9.2f}"
                              for m in median.values())
-            tail = f"   {ratios[arm][n]['host_ms']:.3f}" if ratios else ""
+            tail = f"   {ratios[arm][n]['host_ms']:.3f} {ratios[arm][n]['python_ms']:.3f}" if ratios else ""
             print(f"{arm:>10} {n:>4} {cells}{tail}")
     if args.json_out:
         argv = [relative(Path(a)) if os.path.isabs(a) else a for a in sys.argv[1:]]

@@ -313,9 +313,9 @@ class ModelRunner:
             tokens = mx.stack([after.pending[i].token for i in self.batch.ids]).astype(mx.int32)[:, None]
         else:
             tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
-        with forward_context(self.batch.layers):
-            logits = self.graphs.logits(tokens, self.batch.layers)  # planned as arrays, compiled by bucket
-            if logits is None:  # no one graph (layers of their own): the storage steps layer by layer
+        logits = self.graphs.logits(tokens, self.batch.layers)  # planned as arrays, compiled by bucket
+        if logits is None:  # no one graph (layers of their own): the storage steps layer by layer
+            with forward_context(self.batch.layers):
                 logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
         mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
@@ -335,8 +335,7 @@ class ModelRunner:
         tokens = mx.array([r + [0] * (T - len(r)) for r in rows], dtype=mx.int32)
         for i in drafts:
             begin_verify(self.rows[i].cache)
-        with forward_context(self.batch.layers):
-            logits = self.graphs.logits(tokens, self.batch.layers, counts)
+        logits = self.graphs.logits(tokens, self.batch.layers, counts)
         if logits is None:
             raise RuntimeError("a verify in the decode batch that its storage cannot plan")
         verifying = {}

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from metal import KERNELS
+
 SLICE_WIDTH = 128
 STD_MIN, STD_MAX = 1e-3, 1e3
 LOG_MIN, LOG_MAX = -0.3, 10.0
@@ -32,9 +34,14 @@ def slice_width(head_dim: int) -> int:
 
 def rotate(x: mx.array) -> mx.array:
     """x @ H along the last axis (normalized Sylvester Hadamard, block-diagonal over 128-channel
-    slices for heads wider than 128). H is symmetric and H @ H = I, so this is also the inverse."""
+    slices for heads wider than 128). H is symmetric and H @ H = I, so this is also the inverse.
+    On the CPU, float32 goes through the CPU kernels' rotation where they run (the same bits as
+    ``mx.hadamard_transform``, whose CPU kernel is a scalar loop)."""
     head_dim = x.shape[-1]
     width = slice_width(head_dim)
+    kernels = KERNELS.cpu() if x.dtype == mx.float32 else None
+    if kernels is not None:
+        return kernels.rotate(x, width)
     if width == head_dim:
         return mx.hadamard_transform(x)
     sliced = x.reshape(*x.shape[:-1], head_dim // width, width)

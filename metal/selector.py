@@ -339,14 +339,28 @@ def paged_decode_self_check(kernel: Callable[..., mx.array], dtype: mx.Dtype = m
 
 def cpu_self_check(kernels: CpuKernels) -> float:
     """The CPU kernels against their references in float32: the decode attention on
-    ``paged_decode_self_check``'s pool (float32 queries), the softmax's exp on random scores
-    (masked ones too) against ``exp``: the larger max relative error."""
+    ``paged_decode_self_check``'s pool (float32 queries), the rotation bit for bit
+    (``rotate_mismatch``), the softmax's exp on random scores (masked ones too) against ``exp``:
+    the larger max relative error."""
     err = paged_decode_self_check(lambda **kw: kernels.paged_decode_attention(**kw), dtype=mx.float32)
+    err = max(err, rotate_mismatch(kernels))
     scores = mx.random.normal((3, 5, 300), key=mx.random.key(5)) * 6
     scores = mx.where(mx.arange(300) % 7 == 3, -mx.inf, scores)
     weights, sums = kernels.exp_rows(scores)
     want = mx.exp(scores - mx.max(scores, axis=-1, keepdims=True))
     return max(err, _max_rel_error(weights, want), _max_rel_error(sums, mx.sum(want, axis=-1, keepdims=True)))
+
+
+def rotate_mismatch(kernels: CpuKernels) -> float:
+    """0.0 where the kernels' rotation gives ``mx.hadamard_transform``'s bits over each slice of
+    random rows (widths 128 and 64, several slices a row), else infinity: the windows and records
+    must not depend on which of the two rotated them."""
+    x = mx.random.normal((3, 5, 256), key=mx.random.key(11)) * mx.linspace(0.1, 30.0, 256)
+    for width in (128, 64):
+        want = mx.hadamard_transform(x.reshape(3, 5, 256 // width, width)).reshape(x.shape)
+        if not mx.array_equal(kernels.rotate(x, width), want).item():
+            return float("inf")
+    return 0.0
 
 
 def commit_self_check(reference: Callable[..., dict[str, mx.array]], kernel: CommitKernel, *, head_dim: int,

@@ -120,6 +120,50 @@ def test_the_softmax_exp_is_the_pure_mlx_exp_bit_for_bit(kernels, given_top):
     assert mx.array_equal(compiled(scores), kernels.exp_rows(scores)[0]).item()
 
 
+@pytest.mark.parametrize("width,D", [(64, 64), (128, 128), (128, 256), (128, 512)])
+def test_the_rotation_is_mlx_s_hadamard_transform_bit_for_bit(kernels, width, D):
+    """Each ``width`` slice of the last axis through MLX's own butterflies: the same bits as
+    ``mx.hadamard_transform`` of the sliced array, eagerly and inside ``mx.compile``; it is its own
+    inverse to float noise; ``kvarn.quantize.rotate`` takes it on the CPU."""
+    x = mx.random.normal((3, 2, 5, D), key=mx.random.key(4)) * mx.linspace(0.01, 50.0, D)
+    want = mx.hadamard_transform(x.reshape(3, 2, 5, D // width, width)).reshape(x.shape)
+    assert mx.array_equal(kernels.rotate(x, width), want).item()
+    assert mx.array_equal(mx.compile(lambda a: kernels.rotate(a, width))(x), want).item()
+    assert mx.allclose(kernels.rotate(kernels.rotate(x, width), width), x, rtol=1e-5, atol=1e-4).item()
+    from kvarn.quantize import rotate
+    with mock.patch("metal.cpu.kernels.CpuKernels.rotate", side_effect=AssertionError("the kernel ran")) as kernel, \
+            mock.patch("kvarn.quantize.KERNELS.cpu", return_value=kernels):
+        with pytest.raises(AssertionError, match="the kernel ran"):
+            rotate(x)
+    assert kernel.called
+    with mock.patch("kvarn.quantize.KERNELS.cpu", return_value=None):
+        assert mx.array_equal(rotate(x), want).item()
+
+
+def test_the_rotation_refuses_what_it_cannot_rotate(kernels):
+    with pytest.raises(ValueError, match="float32"):
+        kernels.rotate(mx.zeros((2, 128), mx.float16), 128)
+    with pytest.raises(ValueError, match="power-of-two width"):
+        kernels.rotate(mx.zeros((2, 96)), 64)
+    with pytest.raises(ValueError, match="power-of-two width"):
+        kernels.rotate(mx.zeros((2, 96)), 96)
+
+
+def test_a_rotation_off_mlx_s_bits_keeps_the_kernels_out(caplog):
+    """The rotation must give MLX's bits (windows and records may not depend on who rotated them):
+    one flipped bit is enough for the CPU to run the pure-MLX paths."""
+    registry = Kernels()
+    real = CpuKernels.rotate
+
+    def off(self, x, width):  # noqa: ANN001, ANN202
+        out = real(self, x, width)
+        return mx.where(mx.arange(out.size).reshape(out.shape) == 7, out * (1 + 2 ** -20), out)
+
+    with mock.patch("metal.cpu.kernels.CpuKernels.rotate", off), caplog.at_level(logging.WARNING):
+        assert registry.cpu() is None
+    assert registry.decided_cpu_path() == REFERENCE
+
+
 def test_the_seam_routes_cpu_decode_attention_to_the_kernel_when_it_runs():
     """``kvarn.attention`` calls the kernel where the registry hands it out, the pure-MLX path where
     it does not, and both agree."""

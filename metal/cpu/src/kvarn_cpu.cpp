@@ -16,6 +16,9 @@
 //   ExpRows        exp(scores - top) a row, top the row's max or given, and the row sums: a softmax's
 //                  numerator and denominator; the pure-MLX twin is kvarn.cpu_attention._exp_below
 //                  (the same polynomial, the same bits: built without contraction into FMAs).
+//   Rotate         the normalized Hadamard transform along the last axis, block-diagonal over slices of
+//                  a power-of-two width: MLX's own butterflies (mx.hadamard_transform's CPU kernel, the
+//                  same operations on every element, so the same bits) without its scalar loop.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
@@ -270,6 +273,91 @@ std::vector<array> exp_rows(const array& scores, std::optional<array> top) {
   }
   return array::make_arrays({scores.shape(), sums}, {float32, float32},
                             std::make_shared<ExpRows>(s, top.has_value()), inputs);
+}
+
+// One slice's butterflies, stage by stage as MLX's hadamard_n (x + y, x - y; the last stage's times
+// scale): stages 1, 2 and 4 within each group of 8 values, the wider ones over contiguous runs the
+// compiler vectorizes, the last apart (no branch in the loops).
+inline void butterflies(float* __restrict a, float* __restrict b, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float x = a[t], y = b[t];
+    a[t] = x + y;
+    b[t] = x - y;
+  }
+}
+
+inline void butterflies_scaled(float* __restrict a, float* __restrict b, int64_t n, float scale) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float x = a[t], y = b[t];
+    a[t] = (x + y) * scale;
+    b[t] = (x - y) * scale;
+  }
+}
+
+inline void hadamard_slice(float* d, const float* src, int64_t w, float scale) {
+  std::memcpy(d, src, sizeof(float) * w);
+  int64_t h = 1;
+  if (w >= 16) {  // stages 1, 2, 4 inside each group of 8 (none of them the last)
+    for (int64_t g = 0; g < w; g += 8) {
+      float* v = d + g;
+      for (int64_t s = 1; s < 8; s <<= 1)
+        for (int64_t base = 0; base < 8; base += 2 * s)
+          for (int64_t t = 0; t < s; ++t) {
+            const float x = v[base + t], y = v[base + t + s];
+            v[base + t] = x + y;
+            v[base + t + s] = x - y;
+          }
+    }
+    h = 8;
+  }
+  for (; 2 * h < w; h <<= 1)
+    for (int64_t base = 0; base < w; base += 2 * h) butterflies(d + base, d + base + h, h);
+  if (h < w) butterflies_scaled(d, d + h, h, scale);  // the last stage: h = w / 2, one run
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotate: x [..., D] float32 -> x @ H along the last axis, H block-diagonal over slices of width w
+// (a power of two dividing D), normalized by ``scale``. Each slice takes MLX's radix-2 butterflies
+// stage by stage (x + y, x - y; the last stage's results times scale), in an order whose inner loop
+// is contiguous: every element sees the same operations as in MLX's kernel.
+class Rotate : public UnaryPrimitive {
+ public:
+  Rotate(Stream s, int width, float scale) : UnaryPrimitive(s), width_(width), scale_(scale) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    const int64_t w = width_, slices = w ? x.size() / w : 0;
+    encoder.dispatch([src = x.data<float>(), dst = out.data<float>(), w, slices, scale = scale_]() {
+      parallel_for(slices, 8 * w, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) hadamard_slice(dst + i * w, src + i * w, w, scale);
+      });
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("Rotate runs on the CPU only");
+  }
+  const char* name() const override { return "KvarnRotate"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const Rotate&>(other);
+    return width_ == o.width_ && scale_ == o.scale_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int width_;
+  float scale_;
+};
+
+array rotate(const array& x, int width, float scale) {
+  auto s = to_stream(Device::cpu);
+  if (x.dtype() != float32) throw std::invalid_argument("rotate takes float32");
+  if (x.ndim() == 0 || width < 1 || (width & (width - 1)) || x.shape(-1) % width)
+    throw std::invalid_argument("rotate takes a power-of-two width dividing the last axis");
+  return array(x.shape(), float32, std::make_shared<Rotate>(s, width, scale), {contiguous(x, false, s)});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -829,6 +917,8 @@ NB_MODULE(_kvarn_cpu, m) {
   m.doc() = "KVarN's CPU kernels (metal/cpu/src/kvarn_cpu.cpp)";
   m.def("exp_rows", &exp_rows, nb::arg("scores"), nb::arg("top") = nb::none(),
         "(exp(scores - top), row sums) for float32 scores [..., n]; top [..., 1] (default: each row's max)");
+  m.def("rotate", &rotate, nb::arg("x"), nb::arg("width"), nb::arg("scale"),
+        "x @ H (float32) along the last axis, H the normalized Hadamard matrix block-diagonal over width");
   m.def("decode_records", &decode_records, nb::arg("q"), nb::arg("win_k"), nb::arg("win_v"), nb::arg("win_ids"),
         nb::arg("table"), nb::arg("mask"), nb::arg("k_codes"), nb::arg("k_alpha"), nb::arg("k_beta"), nb::arg("k_r"),
         nb::arg("v_codes"), nb::arg("v_alpha"), nb::arg("v_beta"), nb::arg("v_c"), nb::arg("win_len"),
