@@ -376,6 +376,13 @@ def run_engine_cell(loaded, recorder, arm: str, depth: int, levels: list[int], a
         for r in reqs:
             if r.output_ids and r.request_id not in first:
                 first[r.request_id] = now - t0
+        failed = [r for r in reqs if r.is_finished and not r.output_ids]  # the step failed them (e.g. out of memory)
+        if failed:
+            for r in reqs:
+                engine.abort_request(r.request_id)
+            while engine.has_work():
+                engine.step()
+            raise RuntimeError(f"{len(failed)} of {C} prompts failed in prefill ({failed[0].finish_reason})")
         if now - t0 > 4 * args.time_budget:
             raise RuntimeError("prefill did not finish")
     entry["prefill_all_s"] = time.perf_counter() - t0
