@@ -37,7 +37,7 @@ import mlx.core as mx
 from engine.loader import LoadedModel, split_head
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import (DEAD_END, PromptArrays, RowGrammars, SampleArrays, SamplerState, make_sampler_state,
-                            sample, score_prompt)
+                            batch_tokens, plain_greedy, sample, sample_greedy_batch, score_prompt)
 from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
 from engine.verify import Verifying, collect_verify, dispatch_verify, verify_choices
 from kvarn.batch import ChunkRows
@@ -156,7 +156,7 @@ class ModelRunner:
         job = None
         try:
             job = self.grammars.start(_sampling_rows(plan, requests), requests)
-            logits: dict[RequestId, mx.array] = {}  # one row of logits per row that samples
+            logits: dict[RequestId, mx.array] = {}  # one row of logits per row that samples (decode rows: [B, V], b)
             scores: dict[RequestId, PromptArrays] = {}  # prompt tokens scored (prompt_logprobs)
             for chunk in plan.prefills:  # new rows in the plan's order, the order they join the decode
                 if chunk.request_id not in self.rows:  # batch: windows, handed out lowest first, then sit in it
@@ -174,13 +174,23 @@ class ModelRunner:
             masks = job.result() if job is not None else {}
             pending: dict[RequestId, SampleArrays] = {}
             ended = {}
+            greedy: dict[int, tuple[mx.array, list[tuple[RequestId, int]]]] = {}  # decode rows: one argmax a batch
             for request_id, row_logits in logits.items():
                 row, allowed = self.rows[request_id], masks.get(request_id)
                 if request_id in masks and allowed is DEAD_END:
                     ended[request_id] = FinishReason.GRAMMAR_DEAD_END
                     continue
+                if isinstance(row_logits, tuple):  # (the decode batch's logits, the row's place in it)
+                    batch_logits, b = row_logits
+                    if allowed is None and plain_greedy(row.params, row.sampler):
+                        greedy.setdefault(id(batch_logits), (batch_logits, []))[1].append((request_id, b))
+                        continue
+                    row_logits = batch_logits[b]
                 pending[request_id] = sample(row_logits, row.params, row.sampler,
                                              None if allowed is None else mx.array(allowed))
+            for batch_logits, members in greedy.values():
+                tokens = sample_greedy_batch(batch_logits, [b for _, b in members])
+                pending.update({request_id: tokens[b] for request_id, b in members})
             states = [self.rows[i].sampler for i in pending]
             arrays = ([a for arrays in (*pending.values(), *scores.values()) for a in vars(arrays).values()
                        if isinstance(a, mx.array)]
@@ -302,7 +312,7 @@ class ModelRunner:
         if not self.batch_decode:
             for request_id in ids:
                 row = self.rows[request_id]
-                tokens = after.pending[request_id].token.reshape(1, 1).astype(mx.int32) if after is not None \
+                tokens = after.pending[request_id].row_token().reshape(1, 1).astype(mx.int32) if after is not None \
                     else mx.array(requests[request_id].output_ids[-1:], dtype=mx.int32)[None]
                 with forward_context(row.cache):
                     out[request_id] = self.loaded.model(tokens, cache=row.cache)[0, -1]
@@ -310,7 +320,7 @@ class ModelRunner:
             return {}
         self.batch.sync(ids, {i: self.rows[i].cache for i in ids})
         if after is not None:
-            tokens = mx.stack([after.pending[i].token for i in self.batch.ids]).astype(mx.int32)[:, None]
+            tokens = batch_tokens([after.pending[i] for i in self.batch.ids]).astype(mx.int32)[:, None]
         else:
             tokens = mx.array([requests[i].output_ids[-1] for i in self.batch.ids], dtype=mx.int32)[:, None]
         logits = self.graphs.logits(tokens, self.batch.layers)  # planned as arrays, compiled by bucket
@@ -319,7 +329,7 @@ class ModelRunner:
                 logits = self.loaded.model(tokens, cache=self.batch.layers)[:, -1]
         mx.async_eval(logits)
         for b, request_id in enumerate(self.batch.ids):
-            out[request_id] = logits[b]
+            out[request_id] = (logits, b)  # sampled from the batch (``dispatch``)
         return {}
 
     def _decode_verifying(self, ids: tuple[RequestId, ...], requests: Mapping[RequestId, Request],
@@ -368,8 +378,14 @@ class ModelRunner:
     def _collect(self, pending: dict[RequestId, SampleArrays]) -> dict[RequestId, SampledToken]:
         """Tokens to Python; each constrained row's matcher consumes its token here."""
         sampled = {}
+        read: dict[int, list[int]] = {}  # a batch's tokens, read back once
         for request_id, arrays in pending.items():
-            token_id = arrays.token.item()
+            if arrays.index is None:
+                token_id = arrays.token.item()
+            else:
+                if id(arrays.token) not in read:
+                    read[id(arrays.token)] = arrays.token.tolist()
+                token_id = read[id(arrays.token)][arrays.index]
             logprob = None
             if arrays.logprob is not None:
                 top: tuple[tuple[int, float], ...] = ()

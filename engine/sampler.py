@@ -72,12 +72,33 @@ def make_sampler_state(params: SamplingParams, vocab_size: int) -> SamplerState:
 
 @dataclass(frozen=True)
 class SampleArrays:
-    """Lazy results of one sampling call (evaluated together with the rest of the step)."""
+    """Lazy results of one sampling call (evaluated together with the rest of the step). With
+    ``index``, ``token`` is a batch's tokens [B] (``sample_greedy_batch``) and the row's is
+    ``token[index]``."""
 
     token: mx.array
     logprob: mx.array | None
     top_ids: mx.array | None
     top_logprobs: mx.array | None
+    index: int | None = None
+
+    def row_token(self) -> mx.array:
+        """The row's token (a scalar array)."""
+        return self.token if self.index is None else self.token[self.index]
+
+
+def plain_greedy(params: SamplingParams, state: SamplerState) -> bool:
+    """Whether ``sample`` would take the argmax of the logits as they are: greedy, no logit bias,
+    no penalties, no logprobs (a grammar's mask is the caller's to rule out)."""
+    return params.is_greedy and state.bias is None and state.counts is None and not params.logprobs
+
+
+def sample_greedy_batch(logits: mx.array, rows: list[int]) -> dict[int, SampleArrays]:
+    """``sample``'s token for each of ``rows`` of a batch's logits [B, vocab] whose rows are
+    ``plain_greedy``: one argmax for the whole batch (the same token, row by row, as ``sample``:
+    float32 logits, the first of equal maxima), instead of a slice and an argmax a row."""
+    tokens = mx.argmax(logits.astype(mx.float32), axis=-1)
+    return {b: SampleArrays(tokens, None, None, None, index=b) for b in rows}
 
 
 def sample(logits: mx.array, params: SamplingParams, state: SamplerState,
@@ -118,6 +139,15 @@ def sample(logits: mx.array, params: SamplingParams, state: SamplerState,
         top_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:k]
         top_values = logprobs[top_ids]
     return SampleArrays(token, logprobs[token], top_ids, top_values)
+
+
+def batch_tokens(sampled: list[SampleArrays]) -> mx.array:
+    """The tokens [B] of rows in batch order: a batch's own argmax where it is exactly theirs."""
+    first = sampled[0]
+    if first.index is not None and all(a.token is first.token and a.index == b for b, a in enumerate(sampled)) \
+            and first.token.shape[0] == len(sampled):
+        return first.token
+    return mx.stack([a.row_token() for a in sampled])
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from engine.kv_config import ApcConfig, KVConfig
 from engine.request import Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
 from engine.step_types import PrefillChunk
-import engine.model_runner as model_runner
 from tests.engine.test_batching import NEAR_TIE, TOLERANCE, LogitRecorder
 
 KV_ARMS = {"fp16": KVConfig("fp16"), "kvarn-k4v2": KVConfig("kvarn", 4, 2)}
@@ -61,8 +60,7 @@ def workload(loaded) -> tuple[list[Request], list[tuple]]:
 def drain(engine, monkeypatch) -> tuple[dict, dict]:
     """Steps until idle: the logits each row sampled from, and each request's outputs."""
     recorder = LogitRecorder(engine)
-    recorder.original = model_runner.sample
-    monkeypatch.setattr(model_runner, "sample", recorder)
+    recorder.install(monkeypatch)
     outputs: dict = {}
     while engine.has_work():
         for out in engine.step():

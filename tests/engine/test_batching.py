@@ -36,7 +36,7 @@ TOLERANCE = {"fp16": 1e-4, "kvarn-k4v2": 0.05}
 
 
 class LogitRecorder:
-    """Wraps the runner's sampler: the logits each row sampled from, per request, in order."""
+    """Wraps the runner's samplers: the logits each row sampled from, per request, in order."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -47,6 +47,18 @@ class LogitRecorder:
         rid = next(rid for rid, row in self.engine.runner.rows.items() if row.sampler is state)
         self.by_state.append((rid, logits))
         return self.original(logits, params, state, allowed)
+
+    def batch(self, logits, rows):
+        """``sample_greedy_batch``: the decode batch's plain greedy rows, each one's row of logits."""
+        ids = self.engine.runner.batch.ids
+        self.by_state += [(ids[b], logits[b]) for b in rows]
+        return self.original_batch(logits, rows)
+
+    def install(self, monkeypatch) -> None:
+        """In place of the runner's ``sample`` and ``sample_greedy_batch``."""
+        self.original, self.original_batch = model_runner.sample, model_runner.sample_greedy_batch
+        monkeypatch.setattr(model_runner, "sample", self)
+        monkeypatch.setattr(model_runner, "sample_greedy_batch", self.batch)
 
     def flush(self) -> None:
         for rid, logits in self.by_state:
@@ -61,8 +73,7 @@ def prompts(loaded) -> list[list[int]]:
 
 def run(engine, requests: list[Request], arrivals: list[int], monkeypatch) -> tuple[dict, int]:
     recorder = LogitRecorder(engine)
-    recorder.original = model_runner.sample
-    monkeypatch.setattr(model_runner, "sample", recorder)
+    recorder.install(monkeypatch)
     step, widest = 0, 0
     pending = sorted(zip(arrivals, requests), key=lambda p: p[0])
     while pending or engine.has_work():

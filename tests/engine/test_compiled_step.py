@@ -95,6 +95,28 @@ def test_compiled_eager_and_host_steps_give_the_same_tokens(loaded, arm, monkeyp
     del hit
 
 
+@pytest.mark.parametrize("arm", ["fp16", "kvarn-k4v2"])
+def test_greedy_rows_of_the_decode_batch_sample_from_one_argmax(loaded, arm, monkeypatch):
+    """The decode batch's plain greedy rows take their tokens from one argmax over the batch (one
+    array read back once), the others through ``sample``; tokens as with every row sampled alone."""
+    batched = _run(_engine(loaded, arm, "compiled", monkeypatch), loaded)
+    shared = []
+    real = model_runner.ModelRunner.dispatch
+
+    def dispatch(self, plan, requests, after=None):  # noqa: ANN001, ANN202
+        step = real(self, plan, requests, after)
+        tokens = {id(a.token) for a in step.pending.values() if a.index is not None}
+        shared.append((len(plan.decodes), len(tokens), sum(a.index is not None for a in step.pending.values())))
+        return step
+
+    monkeypatch.setattr(model_runner.ModelRunner, "dispatch", dispatch)
+    assert _run(_engine(loaded, arm, "compiled", monkeypatch), loaded) == batched
+    assert max(greedy for _, _, greedy in shared) >= 3  # r0, its fork and r2 decode together
+    assert all(arrays <= 1 for _, arrays, _ in shared)  # one batch argmax a step at most
+    monkeypatch.setattr(model_runner, "plain_greedy", lambda params, state: False)
+    assert _run(_engine(loaded, arm, "compiled", monkeypatch), loaded) == batched
+
+
 def test_a_repeated_prompt_is_a_prefix_hit_on_the_compiled_path(loaded, monkeypatch):
     engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch)
     prompt = list(range(100, 400))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine.request import SamplingParams
-from engine.sampler import make_sampler_state, sample
+from engine.sampler import batch_tokens, make_sampler_state, plain_greedy, sample, sample_greedy_batch
 
 VOCAB = 16
 
@@ -25,6 +25,31 @@ def draw(params: SamplingParams, n: int = 1, logits=None) -> list[int]:
 
 def test_greedy_is_argmax():
     assert draw(SamplingParams(max_tokens=1, temperature=0.0)) == [VOCAB - 1]
+
+
+def test_a_batchs_greedy_rows_take_samples_tokens_from_one_argmax():
+    """One argmax over a batch's logits gives each plain greedy row ``sample``'s token (ties: the
+    first maximum, float16 logits too); rows read in batch order are the batch's own array."""
+    logits = mx.array(np.random.default_rng(0).normal(size=(5, VOCAB)).astype(np.float32))
+    logits[2, 3] = logits[2, 9] = 50.0  # a tie
+    for batch in (logits, logits.astype(mx.float16)):
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        want = [sample(batch[b], params, make_sampler_state(params, VOCAB)).token.item() for b in range(5)]
+        got = sample_greedy_batch(batch, [0, 1, 2, 3, 4])
+        assert [got[b].row_token().item() for b in range(5)] == want and want[2] == 3
+        assert batch_tokens([got[b] for b in range(5)]) is got[0].token
+        assert batch_tokens([got[b] for b in (1, 0, 2, 3, 4)]).tolist() == [want[1], want[0], *want[2:]]
+
+
+@pytest.mark.parametrize("params,plain", [
+    (SamplingParams(max_tokens=1, temperature=0.0), True),
+    (SamplingParams(max_tokens=1, temperature=0.7), False),
+    (SamplingParams(max_tokens=1, temperature=0.0, logprobs=True), False),
+    (SamplingParams(max_tokens=1, temperature=0.0, logit_bias=((3, 5.0),)), False),
+    (SamplingParams(max_tokens=1, temperature=0.0, presence_penalty=0.5), False),
+])
+def test_only_plain_greedy_rows_are_batched(params, plain):
+    assert plain_greedy(params, make_sampler_state(params, VOCAB)) is plain
 
 
 def test_logit_bias_forces_a_token():

@@ -140,6 +140,29 @@ def test_the_rotation_is_mlx_s_hadamard_transform_bit_for_bit(kernels, width, D)
         assert mx.array_equal(rotate(x), want).item()
 
 
+def test_inputs_that_are_views_read_as_their_contiguous_copies(kernels):
+    """A transposed, broadcast or sliced input (no Contiguous node is put in the graph for it) gives
+    what its contiguous copy gives, for each primitive."""
+    x = mx.random.normal((4, 128, 6), key=mx.random.key(8)).transpose(0, 2, 1)
+    row = mx.broadcast_to(mx.random.normal((1, 128), key=mx.random.key(9)), (5, 128))
+    for view in (x, row, mx.random.normal((9, 256), key=mx.random.key(10))[::2, 64:192]):
+        assert mx.array_equal(kernels.rotate(view, 128), kernels.rotate(mx.array(view.tolist()), 128)).item()
+    scores = mx.random.normal((300, 7), key=mx.random.key(12)).T
+    for got, want in zip(kernels.exp_rows(scores), kernels.exp_rows(mx.array(scores.tolist()))):
+        assert mx.array_equal(got, want).item()
+    case = make_case([300, 140], n_kv_heads=2, n_rep=2, head_dim=128, tile_size=128, key_bits=4, value_bits=2,
+                     dtype=mx.float32, window_dtype=mx.float32)
+    q = mx.random.normal((2, 128, 2, 2), key=mx.random.key(13)).transpose(0, 2, 3, 1)  # [B, H, R, D], a view
+    ids = mx.array(case.lengths.slots, dtype=mx.int32)
+    nb = case.table.shape[1]
+    mask = mx.broadcast_to(mx.arange(256 + nb * 128)[None, None] < 200, (2, 1, 256 + nb * 128))
+    kw = dict(win_len=256, key_bits=4, value_bits=2)
+    got = kernels.decode_attention(q, case.records, case.win_k, case.win_v, ids, case.table, mask, **kw)
+    want = kernels.decode_attention(mx.array(q.tolist()), case.records, case.win_k, case.win_v, ids, case.table,
+                                    mx.array(mask.tolist()), **kw)
+    assert mx.array_equal(got, want).item()
+
+
 def test_the_rotation_refuses_what_it_cannot_rotate(kernels):
     with pytest.raises(ValueError, match="float32"):
         kernels.rotate(mx.zeros((2, 128), mx.float16), 128)

@@ -212,12 +212,53 @@ void parallel_for(int64_t n, int64_t work_per_item, F&& fn) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The primitives read their inputs row-contiguous. An input that is not (a broadcast, a transposed
+// view) is copied on the stream before the primitive's own task; the graph then needs no Contiguous
+// node an input (~120 a decode step of 8 layers, each a task of its own; MLX's copy is not exported).
+void strided_copy(const char* src, char* dst, const Shape& shape, const Strides& strides, size_t item, size_t size) {
+  const int nd = static_cast<int>(shape.size());
+  std::vector<int64_t> idx(nd, 0);
+  int64_t at = 0;  // src offset (elements) of idx
+  for (size_t i = 0; i < size; ++i) {
+    std::memcpy(dst + i * item, src + at * item, item);
+    for (int d = nd - 1; d >= 0; --d) {
+      at += strides[d];
+      if (++idx[d] < shape[d]) break;
+      at -= strides[d] * shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+std::vector<array> row_contiguous(const std::vector<array>& given, Stream stream) {
+  std::vector<array> in;
+  in.reserve(given.size());
+  for (const array& a : given) {
+    if (a.flags().row_contiguous) {
+      in.push_back(a);
+      continue;
+    }
+    array c(a.shape(), a.dtype(), nullptr, {});
+    c.set_data(allocator::malloc(c.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream);
+    encoder.set_input_array(a);
+    encoder.set_output_array(c);
+    encoder.dispatch([src = a.data<char>(), dst = c.data<char>(), shape = a.shape(), strides = a.strides(),
+                      item = a.itemsize(), size = a.size()]() { strided_copy(src, dst, shape, strides, item, size); });
+    encoder.add_temporary(c);
+    in.push_back(c);
+  }
+  return in;
+}
+
+// ---------------------------------------------------------------------------------------------
 // ExpRows: scores [rows, n] -> weights exp(scores - top) [rows, n], sums [rows, 1]
 class ExpRows : public Primitive {
  public:
   ExpRows(Stream s, bool given_top) : Primitive(s), given_top_(given_top) {}
 
-  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+  void eval_cpu(const std::vector<array>& given, std::vector<array>& outputs) override {
+    const std::vector<array> inputs = row_contiguous(given, stream());
     const array& scores = inputs[0];
     array& weights = outputs[0];
     array& sums = outputs[1];
@@ -263,13 +304,13 @@ class ExpRows : public Primitive {
 std::vector<array> exp_rows(const array& scores, std::optional<array> top) {
   auto s = to_stream(Device::cpu);
   if (scores.dtype() != float32) throw std::invalid_argument("exp_rows takes float32 scores");
-  std::vector<array> inputs = {contiguous(scores, false, s)};
+  std::vector<array> inputs = {scores};
   Shape sums = scores.shape();
   sums.back() = 1;
   if (top) {
     if (top->dtype() != float32 || top->size() * scores.shape(-1) != scores.size())
       throw std::invalid_argument("exp_rows takes float32 tops, one a row of scores");
-    inputs.push_back(contiguous(*top, false, s));
+    inputs.push_back(*top);
   }
   return array::make_arrays({scores.shape(), sums}, {float32, float32},
                             std::make_shared<ExpRows>(s, top.has_value()), inputs);
@@ -324,7 +365,8 @@ class Rotate : public UnaryPrimitive {
  public:
   Rotate(Stream s, int width, float scale) : UnaryPrimitive(s), width_(width), scale_(scale) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+  void eval_cpu(const std::vector<array>& given, array& out) override {
+    const std::vector<array> inputs = row_contiguous(given, stream());
     const array& x = inputs[0];
     out.set_data(allocator::malloc(out.nbytes()));
     auto& encoder = cpu::get_command_encoder(stream());
@@ -357,11 +399,11 @@ array rotate(const array& x, int width, float scale) {
   if (x.dtype() != float32) throw std::invalid_argument("rotate takes float32");
   if (x.ndim() == 0 || width < 1 || (width & (width - 1)) || x.shape(-1) % width)
     throw std::invalid_argument("rotate takes a power-of-two width dividing the last axis");
-  return array(x.shape(), float32, std::make_shared<Rotate>(s, width, scale), {contiguous(x, false, s)});
+  return array(x.shape(), float32, std::make_shared<Rotate>(s, width, scale), {x});
 }
 
 // ---------------------------------------------------------------------------------------------
-// DecodeRecords: inputs (all row-contiguous)
+// DecodeRecords: inputs (read row-contiguous)
 //   0 q        [B, H, R, D] float32   queries, rotated and scaled
 //   1 win_k    [Nw, H, 2G, D] float32 or float16: the layer's windows (sink, then tail)
 //   2 win_v    [Nw, H, 2G, D] (as win_k)
@@ -380,7 +422,8 @@ class DecodeRecords : public UnaryPrimitive {
   DecodeRecords(Stream s, int win_len, int key_bits, int value_bits)
       : UnaryPrimitive(s), win_len_(win_len), key_bits_(key_bits), value_bits_(value_bits) {}
 
-  void eval_cpu(const std::vector<array>& in, array& out) override {
+  void eval_cpu(const std::vector<array>& given, array& out) override {
+    const std::vector<array> in = row_contiguous(given, stream());
     out.set_data(allocator::malloc(out.nbytes()));
     DecodeShape sh{static_cast<int>(in[0].shape(0)), static_cast<int>(in[0].shape(1)),
                    static_cast<int>(in[0].shape(2)), static_cast<int>(in[0].shape(3)),
@@ -570,7 +613,7 @@ array decode_records(const array& q, const array& win_k, const array& win_v, con
   std::vector<array> inputs;
   for (const array* a : {&q, &win_k, &win_v, &win_ids, &table, &mask, &k_codes, &k_alpha, &k_beta, &k_r, &v_codes,
                          &v_alpha, &v_beta, &v_c})
-    inputs.push_back(contiguous(*a, false, s));
+    inputs.push_back(*a);
   return array(q.shape(), float32, std::make_shared<DecodeRecords>(s, win_len, key_bits, value_bits), inputs);
 }
 
@@ -734,7 +777,8 @@ class QuantizeTiles : public Primitive {
   QuantizeTiles(Stream s, int key_bits, int value_bits, int iters)
       : Primitive(s), key_bits_(key_bits), value_bits_(value_bits), iters_(iters) {}
 
-  void eval_cpu(const std::vector<array>& in, std::vector<array>& outs) override {
+  void eval_cpu(const std::vector<array>& given, std::vector<array>& outs) override {
+    const std::vector<array> in = row_contiguous(given, stream());
     for (auto& o : outs) o.set_data(allocator::malloc(o.nbytes()));
     const int n = in[0].shape(0), H = in[0].shape(1), G = in[0].shape(2), D = in[0].shape(3);
     const bool f16 = in[0].dtype() == float16;
@@ -810,7 +854,7 @@ std::vector<array> quantize_tiles(const array& keys, const array& values, int ke
                                {n, H, G, D * value_bits / 32}, {n, H, G, 1}, {n, H, G, 1}, {n, H, D}};
   std::vector<Dtype> dtypes = {uint32, float16, float16, float16, uint32, float16, float16, float16};
   return array::make_arrays(shapes, dtypes, std::make_shared<QuantizeTiles>(s, key_bits, value_bits, iters),
-                            {contiguous(keys, false, s), contiguous(values, false, s)});
+                            {keys, values});
 }
 
 
@@ -824,7 +868,8 @@ class DequantizeRecords : public Primitive {
   DequantizeRecords(Stream s, int key_bits, int value_bits)
       : Primitive(s), key_bits_(key_bits), value_bits_(value_bits) {}
 
-  void eval_cpu(const std::vector<array>& in, std::vector<array>& outs) override {
+  void eval_cpu(const std::vector<array>& given, std::vector<array>& outs) override {
+    const std::vector<array> in = row_contiguous(given, stream());
     for (auto& o : outs) o.set_data(allocator::malloc(o.nbytes()));
     const int B = in[0].shape(0), nb = in[0].shape(1), H = in[1].shape(1), D = in[1].shape(2);
     const int G = in[5].shape(2);
@@ -906,7 +951,7 @@ std::vector<array> dequantize_records(const array& table, const array& k_codes, 
   Shape out = {B, H, nb * G, D};
   std::vector<array> inputs;
   for (const array* a : {&table, &k_codes, &k_alpha, &k_beta, &k_r, &v_codes, &v_alpha, &v_beta, &v_c})
-    inputs.push_back(contiguous(*a, false, s));
+    inputs.push_back(*a);
   return array::make_arrays({out, out}, {float32, float32},
                             std::make_shared<DequantizeRecords>(s, key_bits, value_bits), inputs);
 }
