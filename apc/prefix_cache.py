@@ -212,6 +212,8 @@ class PrefixCache:
         best = found[0] if found else 0
         if self.disk is not None:
             longer = sorted((n for n in self.disk.lengths() if best < n < len(prompt)), reverse=True)
+            # only lengths whose file is this prompt's (another prompt's or salt's is no reason to wait)
+            longer = [n for n in longer if snapshot_key(root, prompt[:n], self.block_size) in self.disk]
             if longer:
                 first = snapshot_key(root, prompt[:longer[0]], self.block_size)
                 if first in self._reading:

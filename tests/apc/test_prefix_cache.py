@@ -90,8 +90,8 @@ def test_snapshots_longest_proper_prefix_from_memory_then_disk(tmp_path):
     length, got = c.longest_snapshot(t, None)
     assert length == 30 and got.meta == '{"n": 30}'
     assert c.longest_snapshot(t[:30], None)[0] == 10  # proper prefixes only
-    assert c.longest_snapshot(t, "other") is None
-    c.flush()
+    c.flush()  # both on disk too: another salt's prompt still finds nothing and reads nothing
+    assert c.longest_snapshot(t, "other") is None and not c._reading
     fresh = cache(tmp_path, tier="checkpoint")
     assert fresh.longest_snapshot(t, None) is PENDING  # read on the disk tier's own thread
     length, got = fresh.longest_snapshot_now(t, None)
