@@ -61,7 +61,8 @@ from apc.hashing import BlockKey, prompt_keys
 from apc.pool_tier import PoolHit, PoolTier, SinkOf
 from apc.prefix_cache import PENDING, PrefixCache
 from kvarn.layout import KVLayout
-from kvarn.rows import RowStore, load_blocks, make_cache, restore, snapshot, uses_layout
+from kvarn.rows import RowStore, make_cache, uses_layout
+from kvarn.snapshots import load_blocks, restore, snapshot
 
 if TYPE_CHECKING:
     from apc.publisher import ZmqPublisher
@@ -349,7 +350,7 @@ class PrefixReuse:
             self.cache.put_snapshot(request.prompt_ids[:end], request.cache_salt, payload)
 
 
-# --- whole-row snapshots (checkpoint tier): each storage writes and reads its own (``kvarn.rows``) ---
+# --- whole-row snapshots (checkpoint tier): each storage writes and reads its own (``kvarn.snapshots``) ---
 
 def save_snapshot(cache: list[Any]) -> Payload | None:
     """A row as one payload: every layer's arrays (copied) and what rebuilds it; None if a

@@ -1,27 +1,17 @@
-"""The model runner and the model's forwards: it owns the rows (per-request KV caches, in the
-storage of its ``RowStore``, and sampler states), runs the forwards and samples. Only the engine
-thread calls it; ``docs/engine.md`` describes the step.
+"""The model runner: it owns the rows (per-request KV caches in its ``RowStore``'s storage, and
+sampler states), runs the forwards and samples; only the engine thread calls it. The step in
+full: ``docs/engine.md``.
 
-Prompt chunks. A step's chunks of similar lengths run together: one forward of [B, T] tokens
-right-padded to the longest (``kvarn.batch.ChunkRows`` writes and attends each row's own tokens
-only), the LM head only at each row's last position of a prompt's last chunk (``Forward``: the
-model's body, then its head where a token is sampled; ``engine.loader.split_head``). Each prompt
-forward over rows in shared storage is evaluated before the next graph is built (MLX then
-updates the shared buffers in place).
-
-The decode batch. All decoding rows run as one batch, a batch cache per layer that persists
-across steps: rows join and leave without copying anyone's cache, and a row keeps its place
-while it decodes (``DecodeBatch``). The step is planned by its storage as arrays
-(``kvarn.rows.plan_decode``: rows, block tables and commits padded to buckets) and run as one
-pure function, the model's forward over caches made of the plan's and the storage's arrays,
-returning the logits and the storage's new arrays. ``DecodeGraphs`` keeps one ``mx.compile``d
-function per plan structure, compiled once it recurs (at its first use on a GPU, its third on
-the CPU; a step that commits tiles through the pure-MLX quantizer after ``commit_after`` uses),
-least recently used dropped past ``capacity``; a step beyond the largest bucket, or every step
-with ``--enforce-eager``, runs the same function uncompiled (same results). Steps the storage
-cannot plan as arrays (models with layers of their own) return None and run layer by layer
-through the batch caches. Rows under a grammar get their masks from ``RowGrammars`` (a worker
-thread, during the forward) and consume their tokens after it.
+- Prompt chunks of similar lengths run in one forward, right-padded (``kvarn.batch.ChunkRows``),
+  the LM head only where a token is sampled (``Forward``); a forward over shared storage is
+  evaluated before the next is built, so the buffers update in place.
+- The decode batch: one batch cache per layer that persists across steps (``DecodeBatch``: a row
+  keeps its place while it decodes). Its storage plans the step as arrays
+  (``kvarn.rows.plan_decode``, padded to buckets) and ``DecodeGraphs`` runs the model over them as
+  one pure function, ``mx.compile``d per plan structure once it recurs, uncompiled beyond the
+  largest bucket or with ``--enforce-eager`` (same results); a storage that cannot plan the step
+  (layers of their own) steps layer by layer through the batch caches.
+- Rows under a grammar get their masks from ``RowGrammars`` (a worker thread, during the forward).
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ from engine.loader import LoadedModel, split_head
 from engine.request import FinishReason, Request, RequestId, SamplingParams, TokenLogprob
 from engine.sampler import (DEAD_END, PromptArrays, RowGrammars, SampleArrays, SamplerState, make_sampler_state,
                             batch_tokens, plain_greedy, sample, sample_greedy_batch, score_prompt)
-from engine.step_types import PrefillChunk, PromptScores, SampledToken, StepPlan, StepResult
+from engine.step_types import PrefillChunk, SampledToken, StepPlan, StepResult
 from engine.verify import Verifying, collect_verify, dispatch_verify, verify_choices
 from kvarn.batch import ChunkRows
 from kvarn.decode_graph import ROW_BUCKETS, DecodePlan, written
@@ -211,7 +201,7 @@ class ModelRunner:
             sampled.update({i: tokens[-1] for i, tokens in verified.items()})  # each verify's last token
             return StepResult(sampled=sampled, ended=step.ended,
                               accepted={i: tuple(tokens[:-1]) for i, tokens in verified.items() if len(tokens) > 1},
-                              prompt_scores={i: _scores(arrays) for i, arrays in step.scores.items()})
+                              prompt_scores={i: arrays.read() for i, arrays in step.scores.items()})
         except Exception as exc:
             return StepResult(failed=self._fail(step.plan, exc, None))
 
@@ -404,15 +394,6 @@ def _sampling_rows(plan: StepPlan, requests: Mapping[RequestId, Request]) -> lis
     rows = [i for c in plan.prefills if c.is_last for i in (c.request_id, *c.forks)
             if requests[i].params.max_tokens > 0]
     return rows + list(plan.decodes)
-
-
-def _scores(arrays: PromptArrays) -> PromptScores:
-    """Evaluated prompt scores to Python (top alternatives most likely first)."""
-    top: tuple[tuple[tuple[int, float], ...], ...] = ()
-    if arrays.top_ids is not None:
-        top = tuple(tuple(sorted(zip(ids, values), key=lambda p: -p[1]))
-                    for ids, values in zip(arrays.top_ids.tolist(), arrays.top_logprobs.tolist()))
-    return PromptScores(arrays.first, tuple(arrays.logprobs.tolist()), top)
 
 
 # --- the model's forwards: prompt chunks ---

@@ -44,6 +44,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from engine.request import FinishReason, Request, RequestId, SamplingParams
+from engine.step_types import PromptScores
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,14 @@ class PromptArrays:
     logprobs: mx.array  # [n]
     top_ids: mx.array | None  # [n, k]
     top_logprobs: mx.array | None  # [n, k]
+
+    def read(self) -> PromptScores:
+        """The evaluated scores in Python (each position's alternatives most likely first)."""
+        top: tuple[tuple[tuple[int, float], ...], ...] = ()
+        if self.top_ids is not None:
+            top = tuple(tuple(sorted(zip(ids, values), key=lambda p: -p[1]))
+                        for ids, values in zip(self.top_ids.tolist(), self.top_logprobs.tolist()))
+        return PromptScores(self.first, tuple(self.logprobs.tolist()), top)
 
 
 def score_prompt(logits: mx.array, prompt_ids: list[int], start: int, end: int, top_k: int) -> PromptArrays | None:

@@ -33,7 +33,8 @@ from engine.kv_config import KVConfig
 from engine.loader import LoadedModel, load_model
 from engine.request import FinishReason, Request, RequestId, SamplingParams
 from engine.scheduler import SchedulerConfig
-from kvarn.rows import SEAM_NAME, count_quantized_layers, install_attention_seam, make_cache, restore, snapshot
+from kvarn.rows import SEAM_NAME, count_quantized_layers, install_attention_seam, make_cache
+from kvarn.snapshots import restore, snapshot
 from kvarn.baselines import FP16KVCache
 from kvarn.layout import KVLayout
 from kvarn.paged import PagedLayer
@@ -206,7 +207,7 @@ def test_tiny_model_decodes_with_every_preset_in_order_of_bits():
 
 
 def test_restored_caches_continue_a_model_identically():
-    """A whole row snapshotted mid-decode (``kvarn.rows.snapshot``), its arrays copied out (as to
+    """A whole row snapshotted mid-decode (``kvarn.snapshots.snapshot``), its arrays copied out (as to
     disk) and restored into a fresh row of a pool of its own: the same bytes in every layer, then
     the same tokens give identical logits."""
     model = build("llama")
