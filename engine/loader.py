@@ -21,6 +21,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
+from metal import KERNELS
+
 logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "bundled" / "fixture-chat-29m-q8"
@@ -157,3 +159,39 @@ def split_head(model: Any) -> tuple[Callable, Callable] | None:
     if whole.shape != parts.shape or not mx.allclose(whole, parts, rtol=1e-5, atol=1e-5).item():
         return None
     return split
+
+
+class CpuRoPE(nn.Module):
+    """mlx-lm's ``nn.RoPE`` (not traditional) through the CPU kernels' rope: the same bits
+    (``metal.selector.rope_mismatch``) as one graph node a call instead of MLX's CPU fallback's
+    ~20 (a decode step of the bundled model: ~180 of its ~740 nodes). Anything it does not take
+    (another dtype or rank) runs ``mx.fast.rope`` as ``nn.RoPE`` does."""
+
+    def __init__(self, rope: nn.RoPE, kernels: Any) -> None:
+        super().__init__()
+        self.dims, self.traditional, self.base, self.scale = rope.dims, rope.traditional, rope.base, rope.scale
+        self._kernels = kernels
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.dtype != mx.float32 or x.ndim != 4:
+            return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale,
+                                offset=offset)
+        offset = offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+        return self._kernels.rope(x, offset, dims=self.dims, base=self.base, scale=self.scale)
+
+
+def use_cpu_rope(model: nn.Module) -> int:
+    """On the CPU, where the CPU kernels run and their rope matches ``mx.fast.rope`` bit for bit,
+    each of the model's plain ``nn.RoPE`` modules (not traditional, a base, float32 compute)
+    replaced by ``CpuRoPE``; returns how many were. Scaled variants (Llama 3, YaRN, ...) keep
+    their own."""
+    kernels = KERNELS.cpu_rope()
+    if kernels is None:
+        return 0
+    swapped = 0
+    for _, module in model.named_modules():
+        rope = getattr(module, "rope", None)
+        if type(rope) is nn.RoPE and not rope.traditional and rope.base is not None:
+            module.rope = CpuRoPE(rope, kernels)
+            swapped += 1
+    return swapped

@@ -309,6 +309,20 @@ class Kernels:
     def decided_cpu_path(self) -> str | None:
         return self._decided("cpu")
 
+    def cpu_rope(self) -> CpuKernels | None:
+        """The CPU kernels where they run (``cpu``) and their rope gives ``mx.fast.rope``'s bits
+        (``rope_mismatch``, checked once); else None (the model keeps MLX's rope)."""
+        kernels = self.cpu()
+        if kernels is None:
+            return None
+        key = ("cpu_rope",)
+        if key not in self._decisions:
+            ok = rope_mismatch(kernels) == 0.0
+            self._settle(key, CPU_NATIVE if ok else REFERENCE,
+                         None if ok else ("kvarn: the CPU kernels' rope is off mx.fast.rope's bits; the model keeps "
+                                          "MLX's rope",))
+        return kernels if self._decisions[key].path == CPU_NATIVE else None
+
 
 # ---- the self-checks: each kernel against its reference on a small random case ----
 def _max_rel_error(out: mx.array, ref: mx.array) -> float:
@@ -360,6 +374,21 @@ def rotate_mismatch(kernels: CpuKernels) -> float:
         want = mx.hadamard_transform(x.reshape(3, 5, 256 // width, width)).reshape(x.shape)
         if not mx.array_equal(kernels.rotate(x, width), want).item():
             return float("inf")
+    return 0.0
+
+
+def rope_mismatch(kernels: CpuKernels) -> float:
+    """0.0 where the kernels' rope gives ``mx.fast.rope``'s bits (queries as the model passes them,
+    a transposed view; one offset and one a row; a prompt chunk and a decode token; all channels
+    and a part), else infinity: a model's logits must not depend on which of the two ran."""
+    for B, T, N, D, dims, base in ((3, 1, 4, 128, 128, 10000.0), (2, 37, 3, 64, 32, 500000.0)):
+        x = mx.random.normal((B, T, N, D), key=mx.random.key(13)) * 4
+        x = x.transpose(0, 2, 1, 3)
+        for offset in (mx.array(4093, dtype=mx.int32), mx.array([0, 130, 70001][:B], dtype=mx.int32)):
+            want = mx.fast.rope(x, dims, traditional=False, base=base, scale=0.5 if T > 1 else 1.0, offset=offset)
+            got = kernels.rope(x, offset, dims=dims, base=base, scale=0.5 if T > 1 else 1.0)
+            if not mx.array_equal(got, want).item():
+                return float("inf")
     return 0.0
 
 

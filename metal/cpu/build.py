@@ -55,12 +55,15 @@ def load() -> ModuleType:
     if sys.platform != "linux":
         raise Unavailable("built on Linux only (elsewhere MLX runs on a GPU)")
     try:
-        import mlx
+        import mlx.core
         import nanobind
     except ImportError as exc:
         raise Unavailable(f"nanobind is not installed ({exc})") from exc
     text = source("cpu", SOURCE)
-    mlx_dir = Path(mlx.__path__[0])
+    # the package folder that holds MLX's library and headers: mlx is a namespace package, and a folder
+    # named mlx earlier on sys.path (MLX's own compile cache, /tmp/mlx, beside a script run from /tmp)
+    # would come first in its __path__
+    mlx_dir = Path(mlx.core.__file__).parent
     nb_dir = Path(nanobind.__file__).parent
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:

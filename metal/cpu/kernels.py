@@ -31,6 +31,12 @@ class CpuKernels:
             self._scales[width] = mx.hadamard_transform(mx.eye(1, width, dtype=mx.float32))[0, 0].item()
         return self.module.rotate(x, width, self._scales[width])
 
+    def rope(self, x: mx.array, offset: mx.array, *, dims: int, base: float, scale: float) -> mx.array:
+        """``mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset)`` for
+        float32 ``x`` [B, N, T, D] (any strides) and an int32 ``offset`` (one, or one a row): its
+        CPU fallback's bits in one primitive instead of ~20 graph nodes a call."""
+        return self.module.rope(x, offset, dims, base, scale)
+
     @staticmethod
     def is_supported(*, head_dim: int, key_bits: int, value_bits: int) -> bool:
         """Whether ``decode_attention`` takes this layout: one 128-channel slice a head (or a

@@ -320,3 +320,55 @@ def test_records_read_in_place_dequantize_to_the_pure_mlx_bits(kernels, preset, 
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == mx.float32
         assert mx.array_equal(g, w).item()
+
+
+@pytest.mark.parametrize("B,T,N,D,dims,base,scale", [(1, 1, 4, 128, 128, 10000.0, 1.0), (16, 1, 2, 128, 128, 10000.0, 1.0),
+                                                   (3, 37, 4, 128, 128, 500000.0, 1.0), (2, 5, 3, 64, 32, 10000.0, 0.5)])
+def test_the_rope_is_mlx_s_fast_rope_bit_for_bit(kernels, B, T, N, D, dims, base, scale):
+    """Queries as a model passes them (a transposed view), one offset for the batch and one a row, in
+    a compiled function too: the bits of ``mx.fast.rope`` (MLX's CPU fallback), including channels
+    past ``dims`` passed through."""
+    x = (mx.random.normal((B, T, N, D), key=mx.random.key(B * T)) * 3).transpose(0, 2, 1, 3)
+    for offset in (mx.array(0, dtype=mx.int32), mx.array(4000, dtype=mx.int32),
+                   mx.array([7 + 1001 * b for b in range(B)], dtype=mx.int32)):
+        want = mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset)
+        got = kernels.rope(x, offset, dims=dims, base=base, scale=scale)
+        assert got.shape == want.shape and got.dtype == mx.float32
+        assert mx.array_equal(got, want).item()
+        traced = mx.compile(lambda a, o: kernels.rope(a, o, dims=dims, base=base, scale=scale))(x, offset)
+        assert mx.array_equal(traced, want).item()
+
+
+def test_the_rope_refuses_what_it_cannot_take(kernels):
+    with pytest.raises(ValueError, match="float32"):
+        kernels.rope(mx.zeros((1, 2, 1, 128), mx.float16), mx.array(0, dtype=mx.int32), dims=128, base=1e4, scale=1.0)
+    with pytest.raises(ValueError, match="even dims"):
+        kernels.rope(mx.zeros((1, 2, 1, 128)), mx.array(0, dtype=mx.int32), dims=129, base=1e4, scale=1.0)
+    with pytest.raises(ValueError, match="offset"):
+        kernels.rope(mx.zeros((2, 2, 1, 128)), mx.array([1, 2, 3], dtype=mx.int32), dims=128, base=1e4, scale=1.0)
+
+
+def test_a_rope_off_mlx_s_bits_is_not_used_and_the_other_kernels_still_are(caplog):
+    registry = Kernels()
+    real = CpuKernels.rope
+
+    def off(self, x, offset, **kw):  # noqa: ANN001, ANN202
+        out = real(self, x, offset, **kw)
+        return mx.where(mx.arange(out.size).reshape(out.shape) == 5, out * (1 + 2 ** -20), out)
+
+    with mock.patch("metal.cpu.kernels.CpuKernels.rope", off), caplog.at_level(logging.WARNING):
+        assert registry.cpu_rope() is None
+    assert registry.cpu() is not None
+    assert "rope is off mx.fast.rope's bits" in caplog.text
+    assert Kernels().cpu_rope() is not None
+
+
+def test_the_build_finds_mlx_s_headers_past_a_folder_named_mlx_on_the_path(monkeypatch, tmp_path):
+    """MLX's own compile cache (/tmp/mlx) is a namespace-package portion of ``mlx`` for a script run
+    from /tmp: its headers and library are still the installed package's."""
+    (tmp_path / "mlx").mkdir()
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mlx
+    monkeypatch.setattr(mlx, "__path__", [str(tmp_path / "mlx"), *mlx.__path__])
+    assert build.load().rope is not None

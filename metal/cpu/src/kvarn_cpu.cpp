@@ -19,6 +19,9 @@
 //   Rotate         the normalized Hadamard transform along the last axis, block-diagonal over slices of
 //                  a power-of-two width: MLX's own butterflies (mx.hadamard_transform's CPU kernel, the
 //                  same operations on every element, so the same bits) without its scalar loop.
+//   Rope           rotary position embedding (mx.fast.rope, not traditional): the operations of MLX's
+//                  CPU fallback on every element (its exp, sin and cos; the same bits) in one task
+//                  instead of the fallback's ~20 graph nodes a call.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
@@ -39,6 +42,7 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/backend/cpu/simd/math.h"
 #include "mlx/backend/cpu/unary_ops.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -249,6 +253,84 @@ std::vector<array> row_contiguous(const std::vector<array>& given, Stream stream
     in.push_back(c);
   }
   return in;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rope: x [B, N, T, D] float32 (any strides), offset int32 [] or [B] -> x with rotary embeddings on
+// its first ``dims`` channels (halves rotated, not interleaved), row-contiguous. Operation for
+// operation MLX's CPU fallback of mx.fast.rope: positions (t + offset) * scale, inverse frequencies
+// exp(-i * (log(base) / half)), theta = position * inverse frequency, its cos and sin by MLX's own
+// simd functions, then x1 cos - x2 sin and x1 sin + x2 cos, each product rounded on its own
+// (-ffp-contract=off). metal/selector.py checks the bits against mx.fast.rope before it is used.
+class Rope : public UnaryPrimitive {
+ public:
+  Rope(Stream s, int dims, float base, float scale) : UnaryPrimitive(s), dims_(dims), base_(base), scale_(scale) {}
+
+  void eval_cpu(const std::vector<array>& given, array& out) override {
+    const array& x = given[0];
+    const std::vector<array> offs = row_contiguous({given[1]}, stream());
+    const array& offset = offs[0];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(offset);
+    encoder.set_output_array(out);
+    const int B = x.shape(0), N = x.shape(1), T = x.shape(2), D = x.shape(3), half = dims_ / 2;
+    const Strides st = x.strides();
+    encoder.dispatch([src = x.data<float>(), off = offset.data<int32_t>(), per_row = offset.size() > 1,
+                      dst = out.data<float>(), B, N, T, D, half, st, base = base_, scale = scale_]() {
+      using simd::Simd;
+      std::vector<float> inv(half);
+      const float step = std::log(base) / half;  // as the fallback: log of the float base, over half in float
+      for (int i = 0; i < half; ++i) inv[i] = simd::exp(Simd<float, 1>(static_cast<float>(-i) * step)).value;
+      parallel_for(int64_t(B) * T, int64_t(N) * D * 4 + half * 40, [&](int64_t lo, int64_t hi) {
+        std::vector<float> c(half), s(half);
+        for (int64_t bt = lo; bt < hi; ++bt) {
+          const int b = static_cast<int>(bt / T), t = static_cast<int>(bt % T);
+          const float pos = (static_cast<float>(t) + static_cast<float>(off[per_row ? b : 0])) * scale;
+          for (int i = 0; i < half; ++i) {
+            const float theta = pos * inv[i];
+            c[i] = simd::cos(Simd<float, 1>(theta)).value;
+            s[i] = simd::sin(Simd<float, 1>(theta)).value;
+          }
+          for (int n = 0; n < N; ++n) {
+            const float* xr = src + b * st[0] + n * st[1] + t * st[2];
+            float* o = dst + ((int64_t(b) * N + n) * T + t) * D;
+            for (int i = 0; i < half; ++i) {
+              const float x1 = xr[i * st[3]], x2 = xr[(half + i) * st[3]];
+              const float a = x1 * c[i], bb = x2 * s[i];
+              o[i] = a - bb;
+              const float e = x1 * s[i], f = x2 * c[i];
+              o[half + i] = e + f;
+            }
+            for (int d = 2 * half; d < D; ++d) o[d] = xr[d * st[3]];
+          }
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("Rope runs on the CPU only");
+  }
+  const char* name() const override { return "KvarnRope"; }
+  bool is_equivalent(const Primitive& other) const override {
+    auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && base_ == o.base_ && scale_ == o.scale_;
+  }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int dims_;
+  float base_, scale_;
+};
+
+array rope(const array& x, const array& offset, int dims, float base, float scale) {
+  auto s = to_stream(Device::cpu);
+  if (x.dtype() != float32 || x.ndim() != 4) throw std::invalid_argument("rope takes float32 [B, N, T, D]");
+  if (dims < 2 || dims % 2 || dims > x.shape(3)) throw std::invalid_argument("rope takes even dims <= D");
+  if (offset.dtype() != int32 || offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.shape(0)))
+    throw std::invalid_argument("rope takes an int32 offset, one or one a row");
+  return array(x.shape(), float32, std::make_shared<Rope>(s, dims, base, scale), {x, offset});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -964,6 +1046,8 @@ NB_MODULE(_kvarn_cpu, m) {
         "(exp(scores - top), row sums) for float32 scores [..., n]; top [..., 1] (default: each row's max)");
   m.def("rotate", &rotate, nb::arg("x"), nb::arg("width"), nb::arg("scale"),
         "x @ H (float32) along the last axis, H the normalized Hadamard matrix block-diagonal over width");
+  m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("base"), nb::arg("scale"),
+        "mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset) for float32 [B, N, T, D]");
   m.def("decode_records", &decode_records, nb::arg("q"), nb::arg("win_k"), nb::arg("win_v"), nb::arg("win_ids"),
         nb::arg("table"), nb::arg("mask"), nb::arg("k_codes"), nb::arg("k_alpha"), nb::arg("k_beta"), nb::arg("k_r"),
         nb::arg("v_codes"), nb::arg("v_alpha"), nb::arg("v_beta"), nb::arg("v_c"), nb::arg("win_len"),
