@@ -586,8 +586,16 @@ class DecodeRecords : public UnaryPrimitive {
         const float* qh = q + (static_cast<size_t>(b) * H + h) * R * D;
         const WT* wk = win_k + ((static_cast<size_t>(w) * H + h) * sh.win_slots) * D;
         const WT* wv = win_v + ((static_cast<size_t>(w) * H + h) * sh.win_slots) * D;
+        // one mask for every query row (M = 1, a decode step): what it hides is neither scored nor
+        // weighted (the window's unfilled positions, a padded table's blocks); its softmax terms,
+        // exp of the floor (~1.6e-38 of the largest), vanish in any sum they join
+        const bool* live = sh.M == 1 ? mask + static_cast<size_t>(b) * T : nullptr;
         // scores over the window
         for (int t = 0; t < n; ++t) {
+          if (live && !live[t]) {
+            for (int r = 0; r < R; ++r) s[static_cast<size_t>(r) * T + t] = NEG_INF;
+            continue;
+          }
           const float* k = row_of(wk + static_cast<size_t>(t) * D, D, fa.data());
           for (int r = 0; r < R; ++r) s[static_cast<size_t>(r) * T + t] = dot(qh + r * D, k, D);
         }
@@ -595,6 +603,10 @@ class DecodeRecords : public UnaryPrimitive {
         // dequantized before its product (factored as (q * alpha) . codes + q . beta, the two terms
         // cancel where beta is large: twice the error against a float64 reference)
         for (int j = 0; j < nb; ++j) {
+          if (live && std::none_of(live + n + j * G, live + n + (j + 1) * G, [](bool x) { return x; })) {
+            for (int r = 0; r < R; ++r) std::fill_n(s.data() + static_cast<size_t>(r) * T + n + j * G, G, NEG_INF);
+            continue;
+          }
           const size_t blk = static_cast<size_t>(table[b * nb + j]) * H + h;
           to_float(k_alpha + blk * D, D, fa.data());
           to_float(k_beta + blk * D, D, fb.data());
@@ -625,6 +637,7 @@ class DecodeRecords : public UnaryPrimitive {
         float* oh = o + (static_cast<size_t>(b) * H + h) * R * D;
         std::fill(oh, oh + static_cast<size_t>(R) * D, 0.0f);
         for (int t = 0; t < n; ++t) {
+          if (live && !live[t]) continue;
           const float* v = row_of(wv + static_cast<size_t>(t) * D, D, fa.data());
           for (int r = 0; r < R; ++r) {
             const float p = s[static_cast<size_t>(r) * T + t];
@@ -633,6 +646,7 @@ class DecodeRecords : public UnaryPrimitive {
           }
         }
         for (int j = 0; j < nb; ++j) {  // records: c_d * sum_g p_g (code_gd alpha_g + beta_g)
+          if (live && std::none_of(live + n + j * G, live + n + (j + 1) * G, [](bool x) { return x; })) continue;
           const size_t blk = static_cast<size_t>(table[b * nb + j]) * H + h;
           to_float(v_alpha + blk * G, G, fa.data());
           to_float(v_beta + blk * G, G, fb.data());
