@@ -6,7 +6,8 @@ under one validity mask through ``kvarn.cpu_attention.attention``, as the seam a
         python3 bench/cpu_decode_attention.py --json-out bench/results/cpu-decode-attention.json
 
 The bundled model's shape: 4 query / 2 KV heads, head_dim 128, tiles of 128. Each case is B rows
-of T tokens (KVarN: a sink, (T - 128) // 128 records, the rest in the tail; the block table
+of T tokens (KVarN: a sink, (T - 128) // 128 records, the rest in the tail; 16 x 190, a short
+chat's rows, has no records yet; the block table
 padded to a multiple of 8 blocks, fp16: slots of T rounded up to 256 tokens, as the compiled
 steps pad them). Arms: ``kvarn`` (the CPU's kernel, ``metal/cpu``: the records' codes read in
 place), ``kvarn-mlx`` (the pure-MLX path where no kernel runs: the codes unpacked to float32 for
@@ -41,7 +42,7 @@ from kvarn.pool import RECORD_FIELDS, LayerArrays, quantize_blocks  # noqa: E402
 N_Q, H, D, G = 4, 2, 128, 128
 SCALE = D ** -0.5
 LAYOUT = KVLayout.kvarn("k4v2")
-CASES = ((1, 3000), (16, 1024), (16, 2000), (64, 1000), (64, 2000))
+CASES = ((1, 3000), (16, 190), (16, 1024), (16, 2000), (64, 1000), (64, 2000))
 TABLE_STEP = 8
 DISTINCT_TILES = 64
 
@@ -74,7 +75,7 @@ def kvarn_attention(queries, win_k, win_v, table, mask, *fields):  # noqa: ANN00
     a = LayerArrays(records=dict(zip(RECORD_FIELDS, fields)), win_k=win_k, win_v=win_v)
     B = queries.shape[0]
     return attention.decode_attention_over(queries, a, LAYOUT, SCALE, windows=(1, B + 1), win_len=2 * G,
-                                           table=table, mask=mask)
+                                           table=table if table.shape[1] else None, mask=mask)
 
 
 def kvarn_mlx_attention(*arrays):  # noqa: ANN002
@@ -86,7 +87,7 @@ def kvarn_mlx_attention(*arrays):  # noqa: ANN002
 def reference_attention(queries, win_k, win_v, table, mask, *fields):  # noqa: ANN001
     """The dequantized reference path on the same inputs."""
     a = LayerArrays(records=dict(zip(RECORD_FIELDS, fields)), win_k=win_k, win_v=win_v)
-    index = attention.Attended((1, queries.shape[0] + 1), 2 * G, table, mask)
+    index = attention.Attended((1, queries.shape[0] + 1), 2 * G, table if table.shape[1] else None, mask)
     return attention._dequantized_attention(queries, a, index, LAYOUT, SCALE)
 
 

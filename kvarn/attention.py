@@ -119,13 +119,15 @@ def _quantized_matmul_attention(queries: mx.array, a: Any, index: Attended, layo
     B, n_q, _, D = queries.shape
     H = a.win_k.shape[1]
     R, G, f32 = n_q // H, layout.tile_size, mx.float32
-    q = rotate(queries.astype(f32)).reshape(B, H, R, D) * scale
     native = _native(layout, a, D) if index.mask.shape[2] in (1, R) else None
-    if native is not None:  # the CPU's kernel: codes read in place, one pass a row and KV head
-        out = native.decode_attention(q, a.records, a.win_k, a.win_v, _window_ids(index, B), index.table,
-                                      index.mask.reshape(B, index.mask.shape[2], -1), win_len=index.win_len,
-                                      key_bits=layout.key_bits, value_bits=layout.value_bits)
-        return rotate(out).astype(queries.dtype).reshape(B, n_q, 1, D)
+    if native is not None:  # the CPU's kernel: codes read in place, one pass a row and KV head, the
+        # queries rotated and scaled and the output rotated back inside (``rotate``'s bits)
+        out = native.decode_attention(queries.astype(f32).reshape(B, H, R, D), a.records, a.win_k, a.win_v,
+                                      _window_ids(index, B), index.table, index.mask.reshape(B, index.mask.shape[2], -1),
+                                      win_len=index.win_len, key_bits=layout.key_bits, value_bits=layout.value_bits,
+                                      scale=scale)
+        return out.astype(queries.dtype).reshape(B, n_q, 1, D)
+    q = rotate(queries.astype(f32)).reshape(B, H, R, D) * scale
     win_k, win_v = _windows(a, index)
     scores = [cpu_attention.scores_product(q, win_k.astype(f32))]
     table = index.table

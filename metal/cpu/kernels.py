@@ -27,9 +27,13 @@ class CpuKernels:
         block-diagonal over slices of ``width`` (a power of two dividing D): the bits of
         ``mx.hadamard_transform`` over each slice, without its scalar loop (~120 us for a decode
         step's keys and values of 16 rows there, a few us here)."""
-        if width not in self._scales:  # MLX's own normalization: a unit vector's first output
+        return self.module.rotate(x, width, self._scale(width))
+
+    def _scale(self, width: int) -> float:
+        """MLX's own normalization of a ``width``-wide Hadamard transform (a unit vector's first output)."""
+        if width not in self._scales:
             self._scales[width] = mx.hadamard_transform(mx.eye(1, width, dtype=mx.float32))[0, 0].item()
-        return self.module.rotate(x, width, self._scales[width])
+        return self._scales[width]
 
     def rope(self, x: mx.array, offset: mx.array, *, dims: int, base: float, scale: float) -> mx.array:
         """``mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset)`` for
@@ -81,17 +85,22 @@ class CpuKernels:
 
     def decode_attention(self, q: mx.array, records: dict[str, mx.array], win_k: mx.array, win_v: mx.array,
                          win_ids: mx.array, table: mx.array | None, mask: mx.array, *, win_len: int,
-                         key_bits: int, value_bits: int) -> mx.array:
+                         key_bits: int, value_bits: int, scale: float | None = None) -> mx.array:
         """Softmax attention [B, H, R, D] of ``q`` (float32 [B, H, R, D], rotated and scaled) over
         each row's window ``win_ids`` [B] (its first ``win_len`` tokens of the windows [Nw, H, 2G, D],
         float32 or float16) and its records ``table`` [B, nb] (None: none), under the validity
-        ``mask`` [B, 1 | R, win_len + nb*G] (bool); ``records`` as the pool stores them."""
+        ``mask`` [B, 1 | R, win_len + nb*G] (bool); ``records`` as the pool stores them. With
+        ``scale``, ``q`` is the model's queries: rotated (``rotate``'s bits) and scaled inside, and
+        the output rotated back, the same bits as doing both around the call (two graph nodes and
+        a multiply fewer a layer)."""
         if table is None:
             table = mx.zeros((q.shape[0], 0), mx.int32)
+        width = 0 if scale is None else q.shape[-1]  # one slice a head (``is_supported``)
         return self.module.decode_records(
             q, win_k, win_v, win_ids, table, mask, _key_codes(records),
             records["k_alpha"], records["k_beta"], records["k_r"], records["v_codes"], records["v_alpha"],
-            records["v_beta"], records["v_c"], win_len, key_bits, value_bits)
+            records["v_beta"], records["v_c"], win_len, key_bits, value_bits, width,
+            self._scale(width) if width else 1.0, 1.0 if scale is None else scale)
 
     def paged_decode_attention(self, *, queries: mx.array, records: dict[str, mx.array], win_k: mx.array,
                                win_v: mx.array, table: mx.array | None, lengths: RowLengths, scale: float,

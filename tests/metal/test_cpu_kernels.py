@@ -20,6 +20,7 @@ from kvarn.pool import RECORD_FIELDS, LayerArrays, dequantize_blocks, quantize_b
 from metal.cpu import build
 from metal.cpu.kernels import CpuKernels
 from metal.selector import CPU_NATIVE, REFERENCE, Kernels
+from metal.reference import validity_mask
 from tests.metal.cases import dequantize_block, make_case, max_rel_error, numpy_attention
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU kernels run where MLX runs on the CPU")
@@ -372,3 +373,24 @@ def test_the_build_finds_mlx_s_headers_past_a_folder_named_mlx_on_the_path(monke
     import mlx
     monkeypatch.setattr(mlx, "__path__", [str(tmp_path / "mlx"), *mlx.__path__])
     assert build.load().rope is not None
+
+
+@pytest.mark.parametrize("name", ["k4v2-ragged", "k2v4-tile64"])
+def test_decode_attention_rotating_inside_gives_the_bits_of_rotating_around_it(kernels, name):
+    """The model's queries given with the attention scale: the kernel rotates and scales them and
+    rotates its output back with ``rotate``'s operations, the same bits as the two rotations and the
+    multiply done around the call (three graph nodes a layer)."""
+    tokens, H, n_rep, D, G, kb, vb = CASES[name]
+    case = make_case(tokens, n_kv_heads=H, n_rep=n_rep, head_dim=D, tile_size=G, key_bits=kb, value_bits=vb,
+                     dtype=mx.float32, window_dtype=mx.float32, seed=3)
+    B, n_q = case.queries.shape[:2]
+    q = case.queries.reshape(B, H, n_rep, D)
+    nb = 0 if case.table is None else case.table.shape[1]
+    kw = dict(records=case.records, win_k=case.win_k, win_v=case.win_v,
+              win_ids=mx.array(case.lengths.slots, dtype=mx.int32), table=case.table,
+              mask=validity_mask(case.lengths, G, nb)[:, None], win_len=2 * G, key_bits=kb, value_bits=vb)
+    around = kernels.rotate(kernels.decode_attention(kernels.rotate(q, D) * case.scale, **kw), D)
+    inside = kernels.decode_attention(q, scale=case.scale, **kw)
+    assert mx.array_equal(inside, around).item()
+    traced = mx.compile(lambda x: kernels.decode_attention(x, scale=case.scale, **kw))(q)
+    assert mx.array_equal(traced, around).item()

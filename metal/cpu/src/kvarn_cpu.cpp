@@ -486,7 +486,9 @@ array rotate(const array& x, int width, float scale) {
 
 // ---------------------------------------------------------------------------------------------
 // DecodeRecords: inputs (read row-contiguous)
-//   0 q        [B, H, R, D] float32   queries, rotated and scaled
+//   0 q        [B, H, R, D] float32   queries, rotated and scaled; or, with rot_width > 0, as the model
+//                                     gives them: rotated here (slices of rot_width, normalized by
+//                                     rot_scale, as Rotate), then times scale, and the output rotated back
 //   1 win_k    [Nw, H, 2G, D] float32 or float16: the layer's windows (sink, then tail)
 //   2 win_v    [Nw, H, 2G, D] (as win_k)
 //   3 win_ids  [B] int32              each row's window
@@ -494,15 +496,17 @@ array rotate(const array& x, int width, float scale) {
 //   5 mask     [B, M, win_len + nb*G] bool, M = 1 or R (per query row)
 //   6 k_codes  [N, H, D, G*bk/32] uint32   7 k_alpha [N, H, D] f16   8 k_beta [N, H, D] f16   9 k_r [N, H, G] f16
 //  10 v_codes  [N, H, G, D*bv/32] uint32  11 v_alpha [N, H, G] f16   12 v_beta [N, H, G] f16  13 v_c [N, H, D] f16
-// output [B, H, R, D] float32 (rotated space, normalized)
+// output [B, H, R, D] float32 (rotated space, normalized; with rot_width, rotated back)
 struct DecodeShape {
-  int B, H, R, D, G, win_len, nb, M, key_bits, value_bits, win_slots;
+  int B, H, R, D, G, win_len, nb, M, key_bits, value_bits, win_slots, rot_width;
+  float rot_scale, scale;
 };
 
 class DecodeRecords : public UnaryPrimitive {
  public:
-  DecodeRecords(Stream s, int win_len, int key_bits, int value_bits)
-      : UnaryPrimitive(s), win_len_(win_len), key_bits_(key_bits), value_bits_(value_bits) {}
+  DecodeRecords(Stream s, int win_len, int key_bits, int value_bits, int rot_width, float rot_scale, float scale)
+      : UnaryPrimitive(s), win_len_(win_len), key_bits_(key_bits), value_bits_(value_bits), rot_width_(rot_width),
+        rot_scale_(rot_scale), scale_(scale) {}
 
   void eval_cpu(const std::vector<array>& given, array& out) override {
     const std::vector<array> in = row_contiguous(given, stream());
@@ -510,7 +514,8 @@ class DecodeRecords : public UnaryPrimitive {
     DecodeShape sh{static_cast<int>(in[0].shape(0)), static_cast<int>(in[0].shape(1)),
                    static_cast<int>(in[0].shape(2)), static_cast<int>(in[0].shape(3)),
                    static_cast<int>(in[1].shape(2) / 2), win_len_, static_cast<int>(in[4].shape(1)),
-                   static_cast<int>(in[5].shape(1)), key_bits_, value_bits_, static_cast<int>(in[1].shape(2))};
+                   static_cast<int>(in[5].shape(1)), key_bits_, value_bits_, static_cast<int>(in[1].shape(2)),
+                   rot_width_, rot_scale_, scale_};
     auto& encoder = cpu::get_command_encoder(stream());
     for (auto& a : in) encoder.set_input_array(a);
     encoder.set_output_array(out);
@@ -535,12 +540,14 @@ class DecodeRecords : public UnaryPrimitive {
   const char* name() const override { return "KvarnDecodeRecords"; }
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const DecodeRecords&>(other);
-    return win_len_ == o.win_len_ && key_bits_ == o.key_bits_ && value_bits_ == o.value_bits_;
+    return win_len_ == o.win_len_ && key_bits_ == o.key_bits_ && value_bits_ == o.value_bits_ &&
+           rot_width_ == o.rot_width_ && rot_scale_ == o.rot_scale_ && scale_ == o.scale_;
   }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
 
  private:
-  int win_len_, key_bits_, value_bits_;
+  int win_len_, key_bits_, value_bits_, rot_width_;
+  float rot_scale_, scale_;
 
   template <class WT>
   static void run(const DecodeShape sh, const float* q, const WT* win_k, const WT* win_v, const int32_t* win_ids,
@@ -578,12 +585,18 @@ class DecodeRecords : public UnaryPrimitive {
     // one (row, KV head) an item; each thread its own scratch
     parallel_for(static_cast<int64_t>(B) * H, static_cast<int64_t>(R + 1) * T * D, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(static_cast<size_t>(R) * T), codes(std::max(G, D)), acc(static_cast<size_t>(R) * std::max(G, D)),
-        total(R), fa(std::max(G, D)), fb(std::max(G, D)), qa(R);
+        total(R), fa(std::max(G, D)), fb(std::max(G, D)), qa(R), qr(sh.rot_width ? static_cast<size_t>(R) * D : 0);
+    const int rw = sh.rot_width;
     for (int64_t item = lo; item < hi; ++item) {
       const int b = static_cast<int>(item / H), h = static_cast<int>(item % H);
       const int w = win_ids[b];
       {
         const float* qh = q + (static_cast<size_t>(b) * H + h) * R * D;
+        if (rw) {  // Rotate's butterflies on each slice, then the scale: what the caller would have done
+          for (int64_t at = 0; at < static_cast<int64_t>(R) * D; at += rw) hadamard_slice(qr.data() + at, qh + at, rw, sh.rot_scale);
+          for (float& x : qr) x *= sh.scale;
+          qh = qr.data();
+        }
         const WT* wk = win_k + ((static_cast<size_t>(w) * H + h) * sh.win_slots) * D;
         const WT* wv = win_v + ((static_cast<size_t>(w) * H + h) * sh.win_slots) * D;
         // one mask for every query row (M = 1, a decode step): what it hides is neither scored nor
@@ -668,6 +681,11 @@ class DecodeRecords : public UnaryPrimitive {
           const float inv = 1.0f / total[r];
           for (int d = 0; d < D; ++d) oh[r * D + d] *= inv;
         }
+        if (rw)  // back out of the rotated space, slice by slice (Rotate's operations)
+          for (int64_t at = 0; at < static_cast<int64_t>(R) * D; at += rw) {
+            std::copy_n(oh + at, rw, fa.data());
+            hadamard_slice(oh + at, fa.data(), rw, sh.rot_scale);
+          }
       }
     }
     });
@@ -677,7 +695,8 @@ class DecodeRecords : public UnaryPrimitive {
 array decode_records(const array& q, const array& win_k, const array& win_v, const array& win_ids,
                      const array& table, const array& mask, const array& k_codes, const array& k_alpha,
                      const array& k_beta, const array& k_r, const array& v_codes, const array& v_alpha,
-                     const array& v_beta, const array& v_c, int win_len, int key_bits, int value_bits) {
+                     const array& v_beta, const array& v_c, int win_len, int key_bits, int value_bits,
+                     int rot_width, float rot_scale, float scale) {
   auto s = to_stream(Device::cpu);
   auto need = [](bool ok, const char* what) {
     if (!ok) throw std::invalid_argument(std::string("decode_records: ") + what);
@@ -706,11 +725,14 @@ array decode_records(const array& q, const array& win_k, const array& win_v, con
   for (const array* f : {&k_r, &v_alpha, &v_beta})
     need(f->dtype() == float16 && f->size() == N * H * G, "k_r and value factors must be float16 [N, H, G]");
   need(v_codes.shape(0) == static_cast<int>(N), "key and value records disagree on their count");
+  need(rot_width == 0 || (rot_width <= D && D % rot_width == 0 && (rot_width & (rot_width - 1)) == 0),
+       "rot_width must be 0 or a power of two dividing D");
   std::vector<array> inputs;
   for (const array* a : {&q, &win_k, &win_v, &win_ids, &table, &mask, &k_codes, &k_alpha, &k_beta, &k_r, &v_codes,
                          &v_alpha, &v_beta, &v_c})
     inputs.push_back(*a);
-  return array(q.shape(), float32, std::make_shared<DecodeRecords>(s, win_len, key_bits, value_bits), inputs);
+  return array(q.shape(), float32,
+               std::make_shared<DecodeRecords>(s, win_len, key_bits, value_bits, rot_width, rot_scale, scale), inputs);
 }
 
 
@@ -1065,7 +1087,8 @@ NB_MODULE(_kvarn_cpu, m) {
   m.def("decode_records", &decode_records, nb::arg("q"), nb::arg("win_k"), nb::arg("win_v"), nb::arg("win_ids"),
         nb::arg("table"), nb::arg("mask"), nb::arg("k_codes"), nb::arg("k_alpha"), nb::arg("k_beta"), nb::arg("k_r"),
         nb::arg("v_codes"), nb::arg("v_alpha"), nb::arg("v_beta"), nb::arg("v_c"), nb::arg("win_len"),
-        nb::arg("key_bits"), nb::arg("value_bits"),
+        nb::arg("key_bits"), nb::arg("value_bits"), nb::arg("rot_width") = 0, nb::arg("rot_scale") = 1.0f,
+        nb::arg("scale") = 1.0f,
         "One decode step's attention [B, H, R, D] over float32 windows and KVarN records (see the source)");
   m.def("quantize_tiles", &quantize_tiles, nb::arg("keys"), nb::arg("values"), nb::arg("key_bits"),
         nb::arg("value_bits"), nb::arg("iters"),
