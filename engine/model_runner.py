@@ -182,8 +182,7 @@ class ModelRunner:
                 tokens = sample_greedy_batch(batch_logits, [b for _, b in members])
                 pending.update({request_id: tokens[b] for request_id, b in members})
             states = [self.rows[i].sampler for i in pending]
-            arrays = ([a for arrays in (*pending.values(), *scores.values()) for a in vars(arrays).values()
-                       if isinstance(a, mx.array)]
+            arrays = ([a for arrays in (*pending.values(), *scores.values()) for a in arrays.arrays()]
                       + [s.key for s in states] + [s.counts for s in states if s.counts is not None])
             arrays += [a for v in verifying.values() for a in v.arrays()]
             return Dispatched(plan, pending, ended, scores, arrays, verifying=verifying)
@@ -269,7 +268,7 @@ class ModelRunner:
                                   chunks[0].end_idx, request.params.prompt_logprobs)
             if arrays is not None:
                 scores[chunks[0].request_id] = arrays
-                scored = [a for a in vars(arrays).values() if isinstance(a, mx.array)]
+                scored = arrays.arrays()
         states = [c.state for row in rows for c in row.cache]
         if self.store.in_place:  # settled now, so the next write to the shared buffers is in place
             mx.eval([] if logits is None else logits, scored, states)

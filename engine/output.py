@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper, _byte_decoder
 
 from engine.request import FinishReason, Request, TokenLogprob
@@ -219,8 +220,7 @@ def add_prompt_scores(state: OutputState, prompt_ids: list[int], chunk: PrefillC
         state.prompt_done = True
 
 
-@dataclass(frozen=True)
-class Delta:
+class Delta(msgspec.Struct, frozen=True):  # a msgspec struct: one a row a step
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...]

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NewType
 
+import msgspec
+
 if TYPE_CHECKING:
     from engine.constraints import Constraint
 
@@ -124,9 +126,9 @@ class TokenLogprob:
     eos: bool = False
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one engine step produced for one request: new text, new tokens, and the end if any."""
+class RequestOutput(msgspec.Struct, frozen=True):
+    """What one engine step produced for one request: new text, new tokens, and the end if any
+    (a msgspec struct: one a row a step)."""
 
     request_id: RequestId
     text: str

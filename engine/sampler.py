@@ -38,6 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 from llguidance import LLExecutor, LLMatcher
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
@@ -71,17 +72,20 @@ def make_sampler_state(params: SamplingParams, vocab_size: int) -> SamplerState:
     return SamplerState(key=mx.random.key(seed % (1 << 64)), counts=counts, bias=bias)
 
 
-@dataclass(frozen=True)
-class SampleArrays:
+class SampleArrays(msgspec.Struct, frozen=True):
     """Lazy results of one sampling call (evaluated together with the rest of the step). With
     ``index``, ``token`` is a batch's tokens [B] (``sample_greedy_batch``) and the row's is
-    ``token[index]``."""
+    ``token[index]``. A msgspec struct: one is made for every row of every step."""
 
     token: mx.array
     logprob: mx.array | None
     top_ids: mx.array | None
     top_logprobs: mx.array | None
     index: int | None = None
+
+    def arrays(self) -> list[mx.array]:
+        """The lazy arrays to evaluate."""
+        return [a for a in (self.token, self.logprob, self.top_ids, self.top_logprobs) if a is not None]
 
     def row_token(self) -> mx.array:
         """The row's token (a scalar array)."""
@@ -159,6 +163,10 @@ class PromptArrays:
     logprobs: mx.array  # [n]
     top_ids: mx.array | None  # [n, k]
     top_logprobs: mx.array | None  # [n, k]
+
+    def arrays(self) -> list[mx.array]:
+        """The lazy arrays to evaluate."""
+        return [a for a in (self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
 
     def read(self) -> PromptScores:
         """The evaluated scores in Python (each position's alternatives most likely first)."""

@@ -269,15 +269,17 @@ class Scheduler:
             request.num_computed_tokens = chunk.end_idx
             if chunk.is_last:
                 self._end_prefill(request, chunk, by_id)
+        accepted = result.accepted
         for request_id in plan.decodes:  # a verifying row also wrote the drafts it kept
             request = by_id.get(request_id)
             if request is not None:
-                request.num_computed_tokens += 1 + len(result.accepted.get(request_id, ()))
+                request.num_computed_tokens += 1 + len(accepted[request_id]) if request_id in accepted else 1
         advanced = []
         for request_id, sampled in result.sampled.items():
             request = by_id.get(request_id)
             if request is not None:
-                request.output_ids += [t.token_id for t in result.accepted.get(request_id, ())]
+                if request_id in accepted:
+                    request.output_ids += [t.token_id for t in accepted[request_id]]
                 request.output_ids.append(sampled.token_id)
                 advanced.append(request)
         return advanced

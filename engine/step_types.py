@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from engine.request import FinishReason, RequestId, TokenLogprob
 
 
@@ -53,8 +55,7 @@ class StepPlan:
         return not self.prefills and not self.decodes and not self.freed
 
 
-@dataclass(frozen=True)
-class SampledToken:
+class SampledToken(msgspec.Struct, frozen=True):  # a msgspec struct: one a row a step
     """A row's new token; ``finish`` when its grammar ends the row with it (complete: STOP,
     token refused: GRAMMAR_DEAD_END)."""
 

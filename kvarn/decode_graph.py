@@ -171,20 +171,18 @@ def plan_paged(views: Sequence[PagedLayer], heads: Sequence[tuple[int, int] | No
                 sink_end.append(before[b] + k + 1), tail_end.append(0)
             else:
                 sink_end.append(G), tail_end.append(tail_len[b] + k)
-    w = mx.arange(W, dtype=i32)[None]
-    se, te = (mx.array(x, dtype=i32)[:, None] for x in (sink_end, tail_end))
-    mask = (w < se) | ((w >= G) & (w < G + te))  # [Bp*T, W]
-    if nbp:
-        nt = mx.repeat(mx.array(num_tiles, dtype=i32), T)[:, None]
-        mask = mx.concatenate([mask, (mx.arange(nbp * G, dtype=i32)[None] // G) < nt], axis=1)
-    inputs = {"offset": mx.array(before + [0] * extra, dtype=i32), "mask": mask.reshape(Bp, 1, T, -1)}
     # (window, position) of token j of row b: its own window from its write position on; a padding
     # token (past the row's count, or a padding row's) goes to the pad window at position j
-    targets = [(s, p + j) if j < n and b < B else (PAD, j)
-               for b, (s, p, n) in enumerate(zip(slots, write_pos, counts)) for j in range(T)]
-    for H in sorted({shape[0] for shape in heads if shape is not None}):
-        inputs[f"rows{H}"] = mx.array([(s * H + h) * 2 * G + p for b in range(Bp) for h in range(H)
-                                       for s, p in targets[b * T: (b + 1) * T]], dtype=i32)
+    target_slot, target_pos = [], []
+    for b, (s, p, n) in enumerate(zip(slots, write_pos, counts)):
+        for j in range(T):
+            real = j < n and b < B
+            target_slot.append(s if real else PAD), target_pos.append(p + j if real else j)
+    # the mask and the write rows are made from these inside the graph (``step_mask``, ``write_rows``)
+    inputs = {"offset": mx.array(before + [0] * extra, dtype=i32),
+              "ends": mx.array([sink_end, tail_end, target_slot, target_pos], dtype=i32)}
+    if nbp:
+        inputs["num_tiles"] = mx.array(num_tiles, dtype=i32)
     if slice_lo is None:
         inputs["windows"] = mx.array(slots, dtype=i32)
     if nbp:  # PAD is 0: the padding columns and rows point at the pad block
@@ -199,6 +197,37 @@ def plan_paged(views: Sequence[PagedLayer], heads: Sequence[tuple[int, int] | No
             slots, sink_len + [1] * extra, tail_len + [0] * extra, num_tiles, splits)
     static = ("paged", layout, tuple(heads), Bp, nbp, Cp, slice_lo, T, splits, W)
     return PagedStep(static, inputs, tuple(commits), tuple(counts), B, Bp)
+
+
+def step_mask(inputs: dict[str, mx.array], static: tuple) -> mx.array:
+    """The step's validity mask [Bp, 1, T, W + nbp * G] from its plan (``plan_paged``): position j
+    of row b sees its window's sink up to ``sink_end``, its tail up to ``tail_end`` and the first
+    ``num_tiles`` records of its table row. Made once in the graph (every layer reads it)."""
+    mask = inputs.get("mask")
+    if mask is None:
+        G, Bp, nbp, T, W = static[1].tile_size, static[3], static[4], static[7], static[9]
+        i32 = mx.int32
+        w = mx.arange(W, dtype=i32)[None]
+        se, te = inputs["ends"][0][:, None], inputs["ends"][1][:, None]
+        mask = (w < se) | ((w >= G) & (w < G + te))  # [Bp*T, W]
+        if nbp:
+            nt = mx.repeat(inputs["num_tiles"], T)[:, None]
+            mask = mx.concatenate([mask, (mx.arange(nbp * G, dtype=i32)[None] // G) < nt], axis=1)
+        mask = inputs["mask"] = mask.reshape(Bp, 1, T, -1)
+    return mask
+
+
+def write_rows(inputs: dict[str, mx.array], static: tuple, H: int) -> mx.array:
+    """Rows of a layer's windows flattened to [windows * H * 2G, D] that the step's tokens go to,
+    (row, head, token) major to minor, for layers of ``H`` heads (``plan_paged``'s targets)."""
+    key = f"rows{H}"
+    rows = inputs.get(key)
+    if rows is None:
+        G, Bp, T = static[1].tile_size, static[3], static[7]
+        slot, pos = inputs["ends"][2].reshape(Bp, 1, T), inputs["ends"][3].reshape(Bp, 1, T)
+        heads = mx.arange(H, dtype=mx.int32).reshape(1, H, 1)
+        rows = inputs[key] = ((slot * H + heads) * (2 * G) + pos).reshape(-1)
+    return rows
 
 
 def _host_plan(views: Sequence[PagedLayer]) -> tuple[list[int], ...]:
@@ -241,11 +270,13 @@ def paged_plan(batches: Sequence[Any], pad: bool = True, counts: Sequence[int] |
     state = [x for l in layers for x in _paged_state(pool.layers[l])]
 
     def finish(arrays: list[mx.array]) -> None:
-        width = 2 + len(RECORD_FIELDS)
+        width = 2 + len(RECORD_FIELDS) if step.static[5] else 2  # records come back only where written
         for i, l in enumerate(layers):
             _hand_back(pool.layers[l], arrays[i * width: (i + 1) * width])
-        for batch in batches:
-            advance(batch.rows, step)
+        advance(views0, step)  # every layer's views stood where the first layer's did: they follow it
+        for batch in batches[1:]:
+            for view, first in zip(batch.rows, views0):
+                view.offset, view.tail_len, view.num_tiles, view.chunk = first.offset, first.tail_len, first.num_tiles, None
 
     return DecodePlan(step.static, step.inputs, state, step.rows, step.padded, _paged_caches, finish,
                       commits=step.static[5])
@@ -348,13 +379,16 @@ def place_windows(rows: Sequence[PagedRow]) -> None:
 
 def _paged_state(a: LayerArrays) -> list[mx.array]:
     """What a layer's step reads and writes: its windows, then its records."""
-    return [a.win_k, a.win_v, *(a.records[name] for name in RECORD_FIELDS)]
+    records = a.records
+    return [a.win_k, a.win_v, *map(records.__getitem__, RECORD_FIELDS)]
 
 
 def _hand_back(a: LayerArrays, arrays: Sequence[mx.array]) -> None:
-    """A layer's arrays after its step (``_paged_state``'s order) back into the pool."""
+    """A layer's arrays after its step (``_paged_state``'s order; the windows alone in a step
+    that commits no tile) back into the pool."""
     a.win_k, a.win_v = arrays[0], arrays[1]
-    a.records = dict(zip(RECORD_FIELDS, arrays[2:]))
+    if len(arrays) > 2:
+        a.records = dict(zip(RECORD_FIELDS, arrays[2:]))
 
 
 def _paged_caches(static: tuple, inputs: dict[str, mx.array], state: list[mx.array]) -> list[Any]:
@@ -389,9 +423,9 @@ class PagedStepLayer:
         return None  # the validity mask is the plan's
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
-        a, G = self.a, self.layout.tile_size
+        a = self.a
         _, H, _, D = keys.shape
-        rows = self.inputs[f"rows{H}"]
+        rows = write_rows(self.inputs, self.static, H)
         shape, n = a.win_k.shape, keys.shape[0]
         both = rounded(mx.concatenate([keys, values]), a.win_k.dtype)  # one rotation for both: fewer launches a layer
         for name, x in (("win_k", both[:n]), ("win_v", both[n:])):
@@ -415,7 +449,7 @@ class PagedStepLayer:
             if out is not None:
                 return out
         B, n_q, _, D = queries.shape
-        mask = self.inputs["mask"]
+        mask = step_mask(self.inputs, self.static)
         if T > 1:  # the T positions of a row as more query heads: head h's R*T rows are (r, t), r major
             queries = queries.reshape(B, n_q * T, 1, D)
             mask = mx.tile(mask, (1, 1, n_q // self.a.win_k.shape[1], 1))
@@ -438,4 +472,7 @@ class PagedStepLayer:
                       lengths=None, scale=scale, key_bits=layout.key_bits, value_bits=layout.value_bits, plan=plan)
 
     def arrays(self) -> list[mx.array]:
+        """The arrays the step wrote: the windows, and the records where it commits tiles."""
+        if not self.records_written:
+            return [self.a.win_k, self.a.win_v]
         return [self.a.win_k, self.a.win_v, *(self.a.records[name] for name in RECORD_FIELDS)]

@@ -89,9 +89,8 @@ def slot_plan(batches: Sequence[SlotBatch], pad: bool = True, per_row: bool = Fa
     T = max(positions) + 1
     Tb = min(-(-T // stores[0].token_step) * stores[0].token_step, T_cap) if pad else T
     shapes = tuple(tuple((buf.shape, buf.dtype) for buf in store._buffers) for store in stores)
-    heads = tuple(sorted({s[0][0][1] for s in shapes}))
     splits = ragged_splits(Bp, Tb, shapes[0][0][0][1]) if fused else 0
-    what = (positions, Bp, Tb, T_cap, heads, splits, tuple(sorted(set(starts))) if fused else ())
+    what = (positions, Bp, T_cap, splits, tuple(sorted(set(starts))) if fused else ())
     inputs = dict(shared.get(("slot_step", *what), lambda: _inputs(*what)) if shared is not None else _inputs(*what))
     state = [buf for store in stores for buf in store._buffers]
     static = ("slots", shapes, tuple(starts), Bp, Tb, first.store.bits, first.store.group_size, splits, lengths)
@@ -108,17 +107,15 @@ def slot_plan(batches: Sequence[SlotBatch], pad: bool = True, per_row: bool = Fa
     return DecodePlan(static, inputs, state, B, Bp, _slot_caches, finish)
 
 
-def _inputs(positions: tuple[int, ...], Bp: int, Tb: int, T_cap: int, heads: tuple[int, ...], splits: int,
+def _inputs(positions: tuple[int, ...], Bp: int, T_cap: int, splits: int,
             starts: tuple[int, ...]) -> dict[str, mx.array]:
-    """The step's arrays: RoPE offsets, the validity mask, each head count's write rows (relative
-    to the batch's first slot: ``SlotStepLayer``), the fused kernel's launch plan per start."""
+    """The step's arrays: RoPE offsets (a padding row's 0) and write positions (a padding row's the
+    last of a free slot), from which the graph makes the validity mask and each head count's
+    write rows (``SlotStepLayer``); the fused kernel's launch plan per start."""
     B, i32 = len(positions), mx.int32
     row_lengths = [p + 1 for p in positions] + [1] * (Bp - B)
     inputs = {"offset": mx.array(list(positions) + [0] * (Bp - B), dtype=i32),
-              "mask": (mx.arange(Tb, dtype=i32)[None] < mx.array(row_lengths, dtype=i32)[:, None]).reshape(Bp, 1, 1, Tb)}
-    at = list(positions) + [T_cap - 1] * (Bp - B)  # a padding row: the last position of a free slot
-    for H in heads:
-        inputs[f"rows{H}"] = mx.array([((b * H) + h) * T_cap + p for b, p in enumerate(at) for h in range(H)], dtype=i32)
+              "at": mx.array(list(positions) + [T_cap - 1] * (Bp - B), dtype=i32)}
     for lo in starts:  # every row's tokens in ``splits`` work items (``metal.cuda.ragged_decode.static_plan``)
         work, row_work, rows = ragged_plan([lo + b for b in range(Bp)], row_lengths, splits)
         inputs["rg_work"], inputs["rg_row_work"], inputs[f"rg_rows{lo}"] = work, row_work, rows
@@ -174,7 +171,24 @@ class SlotStepLayer:
         return self.inputs["offset"]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        return self.inputs["mask"]
+        """Row b sees its first ``offset + 1`` positions (a padding row its first), made once a step."""
+        mask = self.inputs.get("mask")
+        if mask is None:
+            lengths = self.inputs["offset"] + 1
+            mask = self.inputs["mask"] = (mx.arange(self.Tb, dtype=mx.int32)[None] < lengths[:, None]).reshape(
+                self.Bp, 1, 1, self.Tb)
+        return mask
+
+    def write_rows(self, H: int, T_cap: int) -> mx.array:
+        """The rows of a [slots * H * T_cap, W] view of the buffers that row b's head h writes,
+        (row, head) major to minor, relative to slot ``lo``; made once a step for each H."""
+        key = f"rows{H}"
+        rows = self.inputs.get(key)
+        if rows is None:
+            heads = mx.arange(H, dtype=mx.int32)[None]
+            slots = mx.arange(self.Bp, dtype=mx.int32)[:, None]
+            rows = self.inputs[key] = ((slots * H + heads) * T_cap + self.inputs["at"][:, None]).reshape(-1)
+        return rows
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         if getattr(self, "bits", None) is None:
@@ -184,7 +198,7 @@ class SlotStepLayer:
                      *mx.quantize(values, group_size=self.group_size, bits=self.bits)]
         shape0 = self.buffers[0].shape
         H, T_cap = shape0[1], shape0[2]
-        rows = self.inputs[f"rows{H}"] + self.lo * H * T_cap
+        rows = self.write_rows(H, T_cap) + self.lo * H * T_cap
         for i, (buf, part) in enumerate(zip(self.buffers, parts, strict=True)):
             flat = buf.reshape(-1, buf.shape[3])
             flat[rows] = part.reshape(-1, part.shape[3]).astype(buf.dtype)
