@@ -75,9 +75,8 @@ def slot_plan(batches: Sequence[SlotBatch], pad: bool = True, per_row: bool = Fa
         if not per_row:
             return None
         lengths = tuple(row.offset + 1 for row in first.rows)
-    for batch in batches:
-        for row in batch.rows:
-            row._check_room(1)
+    for row in first.rows:  # a row's layers hold its tokens at one offset in one capacity: the first layer's speak for all
+        row._check_room(1)
     starts = [batch.store._place(batch.rows) for batch in batches]
     positions = tuple(row.offset for row in first.rows)
     B = len(positions)
