@@ -16,14 +16,19 @@ from engine.request import FinishReason, Request, RequestId, RequestOutput, Samp
 from engine.sampler import MAX_TOP_LOGPROBS
 from engine.scheduler import SchedulerConfig
 from metal import KERNELS
+from metal.selector import CPU_NATIVE, REFERENCE
 
 
 def attention_in_force() -> str:
-    """The decode attention in force: "cuda-fused" | "metal-fused" | "reference": KVarN's (decided
-    when a KVarN engine is made: ``metal.KERNELS.attention_path``), else on CUDA the fp16 baseline's
+    """The decode attention in force: "cuda-fused" | "metal-fused" | "cpu-native" | "reference":
+    KVarN's (decided when a KVarN engine is made: ``metal.KERNELS.attention_path``, and on the CPU
+    ``metal.KERNELS.cpu``, whose C++ decode kernel then attends), else on CUDA the fp16 baseline's
     (``metal.KERNELS.ragged_decode_path``, decided when an fp16 engine is made there); "undecided"
     before that, and on a server that decides neither (fp16 off CUDA, affine)."""
-    return KERNELS.decided_attention_path() or KERNELS.decided_ragged_decode_path() or "undecided"
+    paged = KERNELS.decided_attention_path()
+    if paged == REFERENCE and KERNELS.decided_cpu_path() == CPU_NATIVE:
+        return CPU_NATIVE
+    return paged or KERNELS.decided_ragged_decode_path() or "undecided"
 
 
 __all__ = [

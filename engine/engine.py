@@ -64,6 +64,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
         heads, dim = row.pool.shapes[min(row.layers)]
         warm_quantizer(layout, heads, dim, max(config.max_num_seqs, -(-config.prefill_chunk_size // layout.tile_size)))
         KERNELS.attention_path()  # decide the decode attention (the fused kernel's self-check) before serving
+        KERNELS.cpu()  # on the CPU: build and check kvarn's C++ kernels now, not in the first request
     elif layout.scheme == "fp16" and hasattr(mx, "cuda") and mx.cuda.is_available():
         KERNELS.ragged_decode_path()  # the fp16 slots' fused decode kernel: its self-check, before serving
     pricing = make_pricing(loaded, layout, config.prefill_chunk_size)

@@ -151,6 +151,8 @@ class Kernels:
 
     def _decide_attention(self) -> tuple[str, tuple | None]:
         b = self.backend
+        if b is not None and b.verdict == CPU_NATIVE:  # the CPU: its C++ decode kernel is ``cpu``'s to decide
+            return REFERENCE, None
         if b is None or b.paged_decode is None:
             return REFERENCE, ("kvarn: no GPU backend with a fused decode kernel; KVarN decode runs the pure-MLX "
                                "reference path",)

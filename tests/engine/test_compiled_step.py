@@ -205,6 +205,29 @@ def test_commit_structures_compile_at_once_where_a_fused_kernel_commits(loaded, 
     assert engine.runner.graphs.eager == 0 and engine.runner.graphs.steps >= 299
 
 
+def test_a_step_that_commits_no_tile_leaves_the_records_as_they_were(loaded, monkeypatch):
+    """A planned KVarN step hands back only what it wrote: its windows every step, a layer's record
+    arrays only in the steps in which a row's tail fills (the records the pool holds are the very
+    arrays of the last commit until the next one)."""
+    engine = _engine(loaded, "kvarn-k4v2", "compiled", monkeypatch, apc=False)
+    request = Request(RequestId("c"), list(range(20, 140)), SamplingParams(max_tokens=160, temperature=0.0,
+                                                                        ignore_eos=True))
+    engine.add_request(request)
+    engine.step()  # the prompt
+    pool = engine.runner.store.pool
+    changed = []
+    while engine.has_work():
+        before = [(a.win_k, dict(a.records)) for a in pool.layers]
+        engine.step()
+        windows = [a.win_k is not k for a, (k, _) in zip(pool.layers, before)]
+        records = [any(a.records[name] is not r[name] for name in r) for a, (_, r) in zip(pool.layers, before)]
+        assert all(windows) or not engine.has_work()
+        assert len(set(records)) == 1  # every layer alike
+        changed.append(records[0])
+    # 120 prompt tokens, then decode: the tail (tokens 128 ..) fills at 256 tokens, after the 136th decode token
+    assert changed.count(True) == 1 and changed.index(True) == 256 - 120 - 1
+
+
 def test_table_buckets_grow_by_about_a_quarter():
     widths = [table_bucket(n) for n in range(0, 200)]
     assert widths[:7] == [0, 1, 2, 3, 4, 5, 6]
