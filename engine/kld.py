@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.engine import make_layout
 from engine.kv_config import KVConfig
-from engine.loader import LoadedModel, use_cpu_rope
+from engine.loader import LoadedModel, use_cpu_rope, use_cpu_swiglu
 from kvarn.rows import RowStore, install_attention_seam, make_batch_cache, make_cache
 from kvarn.batch import ChunkRows
 from kvarn.layout import KVLayout
@@ -140,6 +140,7 @@ def run_kld(loaded: LoadedModel, config: KldConfig, progress: Callable[[int], No
     """Run every arm in lockstep with the reference; returns results and fp16 bytes per token."""
     install_attention_seam(loaded.model)
     use_cpu_rope(loaded.model)
+    use_cpu_swiglu(loaded.model)
     prompts = load_prompts(loaded, config)
     head_dim, n_kv, n_layers = _layer_geometry(loaded)
     named = [arm_config(a, config.max_kv_size) for a in config.arms]

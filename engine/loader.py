@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import dequantize_model
@@ -178,6 +179,56 @@ class CpuRoPE(nn.Module):
                                 offset=offset)
         offset = offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
         return self._kernels.rope(x, offset, dims=self.dims, base=self.base, scale=self.scale)
+
+
+def use_cpu_swiglu(model: nn.Module) -> int:
+    """On the CPU, where the CPU kernels run and their SwiGLU gives MLX's bits, each of the model's
+    gated MLPs whose ``__call__`` is mlx-lm's ``down_proj(swiglu(gate_proj(x), up_proj(x)))`` (the
+    same bytecode and the same ``swiglu``: Llama, Qwen, Mistral and ~45 other mlx-lm families) made
+    a ``CpuSwiGLU`` of its class: the same parameters and the same bits, with the activation in one
+    vectorized kernel (``metal/cpu/src/kvarn_cpu.cpp: SwiGLU``) instead of MLX's scalar exp an
+    element; returns how many were. Any other MLP keeps its own."""
+    kernels = KERNELS.cpu_swiglu()
+    if kernels is None:
+        return 0
+    swapped = 0
+    for _, module in model.named_modules():
+        cls = type(module)
+        if _is_swiglu_mlp(cls):
+            module.__class__ = _cpu_swiglu_class(cls, kernels)
+            swapped += 1
+    return swapped
+
+
+def _is_swiglu_mlp(cls: type) -> bool:
+    call = vars(cls).get("__call__")
+    code, want = getattr(call, "__code__", None), _SwiGLUMLP.__call__.__code__
+    return (code is not None and code.co_code == want.co_code and code.co_names == want.co_names
+            and code.co_consts == want.co_consts and call.__globals__.get("swiglu") is swiglu)
+
+
+class _SwiGLUMLP(nn.Module):
+    """The gated MLP's ``__call__`` as mlx-lm writes it (``mlx_lm.models.llama.MLP``): what
+    ``_is_swiglu_mlp`` compares a class's with."""
+
+    def __call__(self, x):  # noqa: ANN001, ANN204 (mlx-lm's own line, annotations and all, would change the bytecode)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+_CPU_SWIGLU: dict[tuple[type, Any], type] = {}  # by the class it extends and the kernels it calls
+
+
+def _cpu_swiglu_class(cls: type, kernels: Any) -> type:
+    made = _CPU_SWIGLU.get((cls, kernels))
+    if made is None:
+        def __call__(self: Any, x: mx.array) -> mx.array:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if gate.dtype != mx.float32 or up.dtype != mx.float32 or gate.shape != up.shape:
+                return self.down_proj(swiglu(gate, up))
+            return self.down_proj(kernels.swiglu(gate, up))
+
+        made = _CPU_SWIGLU[(cls, kernels)] = type(f"CpuSwiGLU{cls.__name__}", (cls,), {"__call__": __call__})
+    return made
 
 
 def use_cpu_rope(model: nn.Module) -> int:

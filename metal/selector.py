@@ -29,6 +29,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from metal.cpu import build
@@ -325,6 +326,21 @@ class Kernels:
                                           "MLX's rope",))
         return kernels if self._decisions[key].path == CPU_NATIVE else None
 
+    def cpu_swiglu(self) -> CpuKernels | None:
+        """The CPU kernels where they run (``cpu``) and their SwiGLU gives MLX's bits for
+        ``nn.silu(gate) * up`` (``swiglu_mismatch``, checked once); else None (the model keeps
+        mlx-lm's ``swiglu``)."""
+        kernels = self.cpu()
+        if kernels is None:
+            return None
+        key = ("cpu_swiglu",)
+        if key not in self._decisions:
+            ok = swiglu_mismatch(kernels) == 0.0
+            self._settle(key, CPU_NATIVE if ok else REFERENCE,
+                         None if ok else ("kvarn: the CPU kernels' SwiGLU is off MLX's bits; the model keeps "
+                                          "mlx-lm's swiglu",))
+        return kernels if self._decisions[key].path == CPU_NATIVE else None
+
 
 # ---- the self-checks: each kernel against its reference on a small random case ----
 def _max_rel_error(out: mx.array, ref: mx.array) -> float:
@@ -390,6 +406,23 @@ def rope_mismatch(kernels: CpuKernels) -> float:
             want = mx.fast.rope(x, dims, traditional=False, base=base, scale=0.5 if T > 1 else 1.0, offset=offset)
             got = kernels.rope(x, offset, dims=dims, base=base, scale=0.5 if T > 1 else 1.0)
             if not mx.array_equal(got, want).item():
+                return float("inf")
+    return 0.0
+
+
+def swiglu_mismatch(kernels: CpuKernels) -> float:
+    """0.0 where the kernels' SwiGLU gives the bits of MLX's ``nn.silu(gate) * up`` (a decode
+    row and a prompt chunk; gates over exp's whole range and past it both ways, NaN and infinities;
+    a transposed view), else infinity: a model's logits must not depend on which of the two ran."""
+    special = mx.array([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.0, -88.0, 88.5, -89.0, 1e-30])
+    for shape, spread in (((3, 1536), 8.0), ((2, 37, 512), 120.0)):
+        k1, k2 = mx.random.split(mx.random.key(29))
+        gate = mx.random.normal(shape, key=k1) * spread
+        gate = mx.concatenate([special, gate.reshape(-1)[special.size:]]).reshape(shape)
+        up = mx.random.normal(shape, key=k2)
+        for g, u in ((gate, up), (gate.swapaxes(-1, -2), up.swapaxes(-1, -2))):
+            want = nn.silu(g) * u
+            if not mx.array_equal(kernels.swiglu(g, u), want, equal_nan=True).item():
                 return float("inf")
     return 0.0
 

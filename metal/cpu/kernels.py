@@ -41,6 +41,12 @@ class CpuKernels:
         CPU fallback's bits in one primitive instead of ~20 graph nodes a call."""
         return self.module.rope(x, offset, dims, base, scale)
 
+    def swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
+        """``nn.silu(gate) * up`` (mlx-lm's ``swiglu``) for float32 ``gate`` and ``up`` of one
+        shape (any strides): the bits of MLX's CPU kernels (its sigmoid and exp on every element)
+        in vectorized loops, 7-30x faster than MLX's scalar exp."""
+        return self.module.swiglu(gate, up)
+
     @staticmethod
     def is_supported(*, head_dim: int, key_bits: int, value_bits: int) -> bool:
         """Whether ``decode_attention`` takes this layout: one 128-channel slice a head (or a

@@ -11,8 +11,10 @@ from pathlib import Path
 from unittest import mock
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 
 from kvarn import attention, cpu_attention
 from kvarn.layout import KVLayout
@@ -362,6 +364,57 @@ def test_a_rope_off_mlx_s_bits_is_not_used_and_the_other_kernels_still_are(caplo
     assert registry.cpu() is not None
     assert "rope is off mx.fast.rope's bits" in caplog.text
     assert Kernels().cpu_rope() is not None
+
+
+SPECIAL_GATES = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.0, -88.0, 88.7, -88.7, 1e-30, -1e-30,
+                 0.34657359, -0.34657359]  # the last two: |g| log2(e) + 0.5 at an integer, where exp rounds
+
+
+@pytest.mark.parametrize("shape, spread", [((1, 1536), 4.0), ((16, 1536), 8.0), ((3, 37, 512), 100.0),
+                                           ((4096, 24), 30.0)], ids=["one-row", "16-rows", "chunk", "threaded"])
+def test_the_swiglu_is_mlx_s_silu_times_up_bit_for_bit(kernels, shape, spread):
+    """The decode rows' sizes run on one thread, a prompt chunk's on several; gates over exp's whole
+    range and past it, NaN and infinities, and the points where exp's float64 rounding matters."""
+    k1, k2 = mx.random.split(mx.random.key(shape[-1]))
+    gate = (mx.random.normal(shape, key=k1) * spread).reshape(-1)
+    gate = mx.concatenate([mx.array(SPECIAL_GATES), gate[len(SPECIAL_GATES):]]).reshape(shape)
+    up = mx.random.normal(shape, key=k2)
+    got = kernels.swiglu(gate, up)
+    assert got.dtype == mx.float32 and got.shape == shape
+    assert mx.array_equal(got, nn.silu(gate) * up, equal_nan=True).item()
+    assert mx.array_equal(got, mlx_lm_swiglu(gate, up), equal_nan=True).item()
+
+
+def test_the_swiglu_reads_views_and_runs_in_a_compiled_graph(kernels):
+    gate, up = mx.random.normal((64, 96), key=mx.random.key(3)) * 5, mx.random.normal((96, 64), key=mx.random.key(4))
+    want = nn.silu(gate.T) * up
+    assert mx.array_equal(kernels.swiglu(gate.T, up), want).item()
+    traced = mx.compile(lambda g, u: kernels.swiglu(g, u) * 2)(gate.T, up)
+    assert mx.array_equal(traced, want * 2).item()
+    sweep = mx.linspace(-100, 100, 1 << 20)  # every magnitude exp's polynomial and its 2**n meet
+    assert mx.array_equal(kernels.swiglu(sweep, mx.ones_like(sweep)), nn.silu(sweep)).item()
+
+
+def test_the_swiglu_refuses_what_it_cannot_take(kernels):
+    with pytest.raises(ValueError, match="float32"):
+        kernels.swiglu(mx.zeros((2, 8), mx.float16), mx.zeros((2, 8), mx.float16))
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.swiglu(mx.zeros((2, 8)), mx.zeros((1, 8)))
+
+
+def test_a_swiglu_off_mlx_s_bits_is_not_used_and_the_other_kernels_still_are(caplog):
+    registry = Kernels()
+    real = CpuKernels.swiglu
+
+    def off(self, gate, up):  # noqa: ANN001, ANN202
+        out = real(self, gate, up)
+        return mx.where(mx.arange(out.size).reshape(out.shape) == 7, out * (1 + 2 ** -20), out)
+
+    with mock.patch("metal.cpu.kernels.CpuKernels.swiglu", off), caplog.at_level(logging.WARNING):
+        assert registry.cpu_swiglu() is None
+    assert registry.cpu() is not None
+    assert "SwiGLU is off MLX's bits" in caplog.text
+    assert Kernels().cpu_swiglu() is not None
 
 
 def test_the_build_finds_mlx_s_headers_past_a_folder_named_mlx_on_the_path(monkeypatch, tmp_path):
