@@ -1,5 +1,5 @@
-"""Which GPU kernels one decode step of one stream launches and how long each runs (8B shape,
-one row at a depth): the engine's compiled step (KVarN k4v2, fp16) beside mlx-lm's own step over
+"""Which GPU kernels one decode step launches and how long each runs (8B shape, one row at a depth,
+or ``--rows`` of them): the engine's compiled step (KVarN k4v2, fp16) beside mlx-lm's own step over
 its ``KVCache``. Where the time of a lone row's step goes: the GPU's kernels, or the host.
 
     python3 bench/step_kernels.py --arms kvarn-k4v2,fp16,mlx-lm --out $OUT/step-timing.json
@@ -93,18 +93,21 @@ class Phases:
 
 
 class EngineArm:
-    """One row of ``depth`` prompt tokens decoding in the engine (its compiled step); an arm
-    ending in ``-async`` runs the engine with ``async_scheduling``."""
+    """``rows`` rows of ``depth`` prompt tokens each decoding in the engine (its compiled step); an
+    arm ending in ``-async`` runs the engine with ``async_scheduling``."""
 
-    def __init__(self, loaded, arm: str, depth: int, chunk: int) -> None:
+    def __init__(self, loaded, arm: str, depth: int, chunk: int, rows: int = 1) -> None:
         base, run_ahead, _, _ = arm_flags(arm)
-        cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=chunk + 2, prefill_chunk_size=chunk,
+        cfg = SchedulerConfig(max_num_seqs=rows + 1, max_num_batched_tokens=chunk + 2, prefill_chunk_size=chunk,
                               async_scheduling=run_ahead)
         self.engine = make_engine(loaded, cfg, arm_config(base), ApcConfig(enabled=False))
-        self.request = Request(RequestId("r"), _prompt(random.Random(3), depth, loaded.vocab_size),
-                               SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True))
-        self.engine.add_request(self.request)
-        while not self.request.output_ids:
+        rng = random.Random(3)
+        self.requests = [Request(RequestId(f"r{i}"), _prompt(rng, depth, loaded.vocab_size),
+                                 SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True))
+                         for i in range(rows)]
+        for request in self.requests:
+            self.engine.add_request(request)
+        while not all(r.output_ids for r in self.requests):
             self.engine.step()
         self.phases = Phases(self.engine)
 
@@ -115,7 +118,8 @@ class EngineArm:
         self.engine.step()
 
     def done(self) -> None:
-        self.engine.abort_request(self.request.request_id)
+        for request in self.requests:
+            self.engine.abort_request(request.request_id)
         while self.engine.has_work():
             self.engine.step()
 
@@ -154,9 +158,12 @@ class MlxLmArm:
 
 
 def run_arm(loaded, arm: str, args, profiler) -> dict:
-    log(f"{arm}: building the row ({args.depth} tokens)")
+    log(f"{arm}: building {args.rows} row(s) of {args.depth} tokens")
+    if arm == "mlx-lm" and args.rows != 1:
+        raise SystemExit("the mlx-lm arm runs one row")
     t = time.perf_counter()
-    a = MlxLmArm(loaded, args.depth, args.chunk) if arm == "mlx-lm" else EngineArm(loaded, arm, args.depth, args.chunk)
+    a = MlxLmArm(loaded, args.depth, args.chunk) if arm == "mlx-lm" else EngineArm(loaded, arm, args.depth, args.chunk,
+                                                                                   args.rows)
     prefill_s = time.perf_counter() - t
     for _ in range(args.warm):
         a.step()
@@ -174,7 +181,7 @@ def run_arm(loaded, arm: str, args, profiler) -> dict:
         a.launch()
     a.step()
     pipelined = (time.perf_counter() - t) / (args.timed + 1)
-    out = {"arm": arm, "depth": args.depth, "prefill_s": round(prefill_s, 3),
+    out = {"arm": arm, "depth": args.depth, "rows": args.rows, "prefill_s": round(prefill_s, 3),
            "step_ms_median": round(1e3 * statistics.median(walls), 3), "step_ms_min": round(1e3 * min(walls), 3),
            "step_ms_pipelined": round(1e3 * pipelined, 3)}
     if phases is not None:  # where the engine's host time went in the back-to-back steps
@@ -219,6 +226,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", default="kvarn-k4v2,fp16,mlx-lm")
     p.add_argument("--depth", type=int, default=4096)
+    p.add_argument("--rows", type=int, default=1, help="rows decoding together (engine arms)")
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--warm", type=int, default=8)
     p.add_argument("--timed", type=int, default=20)
