@@ -160,22 +160,19 @@ def plan_paged(views: Sequence[PagedLayer], heads: Sequence[tuple[int, int] | No
     num_tiles += [0] * extra
     write_pos += [0] * extra
     # position j of row b sees its window up to its own token j (the sink or the tail, as a one-token
-    # step would after writing it) and every record of its table; a padding row position 0 of its window
-    sink_end, tail_end = [], []
-    for b in range(Bp):
+    # step would after writing it) and every record of its table; a padding row position 0 of its window.
+    # Token j of row b goes to (window, position): its own window from its write position on; a padding
+    # token (past the row's count, or a padding row's) to the pad window at position j
+    sink_end, tail_end, target_slot, target_pos = [], [], [], []
+    for b, (s, p, n) in enumerate(zip(slots, write_pos, counts)):
         for j in range(T):
-            k = min(j, counts[b] - 1)  # a padding position repeats the row's last real one (its output is dropped)
+            k = min(j, n - 1)  # a padding position repeats the row's last real one (its output is dropped)
             if b >= B:
                 sink_end.append(1), tail_end.append(0)
             elif before[b] < G:
                 sink_end.append(before[b] + k + 1), tail_end.append(0)
             else:
                 sink_end.append(G), tail_end.append(tail_len[b] + k)
-    # (window, position) of token j of row b: its own window from its write position on; a padding
-    # token (past the row's count, or a padding row's) goes to the pad window at position j
-    target_slot, target_pos = [], []
-    for b, (s, p, n) in enumerate(zip(slots, write_pos, counts)):
-        for j in range(T):
             real = j < n and b < B
             target_slot.append(s if real else PAD), target_pos.append(p + j if real else j)
     # the mask and the write rows are made from these inside the graph (``step_mask``, ``write_rows``)
