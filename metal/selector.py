@@ -315,30 +315,25 @@ class Kernels:
     def cpu_rope(self) -> CpuKernels | None:
         """The CPU kernels where they run (``cpu``) and their rope gives ``mx.fast.rope``'s bits
         (``rope_mismatch``, checked once); else None (the model keeps MLX's rope)."""
-        kernels = self.cpu()
-        if kernels is None:
-            return None
-        key = ("cpu_rope",)
-        if key not in self._decisions:
-            ok = rope_mismatch(kernels) == 0.0
-            self._settle(key, CPU_NATIVE if ok else REFERENCE,
-                         None if ok else ("kvarn: the CPU kernels' rope is off mx.fast.rope's bits; the model keeps "
-                                          "MLX's rope",))
-        return kernels if self._decisions[key].path == CPU_NATIVE else None
+        return self._cpu_exact("cpu_rope", rope_mismatch, "rope is off mx.fast.rope's bits; the model keeps MLX's rope")
 
     def cpu_swiglu(self) -> CpuKernels | None:
         """The CPU kernels where they run (``cpu``) and their SwiGLU gives MLX's bits for
         ``nn.silu(gate) * up`` (``swiglu_mismatch``, checked once); else None (the model keeps
         mlx-lm's ``swiglu``)."""
+        return self._cpu_exact("cpu_swiglu", swiglu_mismatch,
+                               "SwiGLU is off MLX's bits; the model keeps mlx-lm's swiglu")
+
+    def _cpu_exact(self, name: str, mismatch: Callable[[CpuKernels], float], off: str) -> CpuKernels | None:
+        """The CPU kernels where they run and ``mismatch`` finds one of their model operations on
+        MLX's bits (checked once, decided under ``name``); else None, with one warning."""
         kernels = self.cpu()
         if kernels is None:
             return None
-        key = ("cpu_swiglu",)
+        key = (name,)
         if key not in self._decisions:
-            ok = swiglu_mismatch(kernels) == 0.0
-            self._settle(key, CPU_NATIVE if ok else REFERENCE,
-                         None if ok else ("kvarn: the CPU kernels' SwiGLU is off MLX's bits; the model keeps "
-                                          "mlx-lm's swiglu",))
+            ok = mismatch(kernels) == 0.0
+            self._settle(key, CPU_NATIVE if ok else REFERENCE, None if ok else ("kvarn: the CPU kernels' %s", off))
         return kernels if self._decisions[key].path == CPU_NATIVE else None
 
 
