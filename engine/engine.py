@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from apc.reuse import PrefixReuse, exact_tier_possible, make_prefix_reuse
 from engine.kv_config import ApcConfig, KVConfig
-from engine.loader import LoadedModel, use_cpu_rope, use_cpu_swiglu
+from engine.loader import LoadedModel, use_cpu_rope, use_cpu_rows_matmul, use_cpu_swiglu
 from engine.memory import keep_cpu_buffers, release_memory
 from engine.model_runner import Dispatched, ModelRunner
 from engine.accepted_output import advance_tokens
@@ -58,6 +58,7 @@ def make_engine(loaded: LoadedModel, config: SchedulerConfig | None = None, kv: 
     KERNELS.cpu()  # on the CPU: its kernels built (once a machine) and self-checked before anything is traced
     use_cpu_rope(loaded.model)
     use_cpu_swiglu(loaded.model)
+    use_cpu_rows_matmul(loaded.model)
     probe = make_cache(loaded.model, layout, capacity=1)
     mx.eval(loaded.model(mx.array([[0]], dtype=mx.int32), cache=probe))
     row = paged_row(probe)

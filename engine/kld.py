@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.engine import make_layout
 from engine.kv_config import KVConfig
-from engine.loader import LoadedModel, use_cpu_rope, use_cpu_swiglu
+from engine.loader import LoadedModel, use_cpu_rope, use_cpu_rows_matmul, use_cpu_swiglu
 from kvarn.rows import RowStore, install_attention_seam, make_batch_cache, make_cache
 from kvarn.batch import ChunkRows
 from kvarn.layout import KVLayout
@@ -141,6 +141,7 @@ def run_kld(loaded: LoadedModel, config: KldConfig, progress: Callable[[int], No
     install_attention_seam(loaded.model)
     use_cpu_rope(loaded.model)
     use_cpu_swiglu(loaded.model)
+    use_cpu_rows_matmul(loaded.model)
     prompts = load_prompts(loaded, config)
     head_dim, n_kv, n_layers = _layer_geometry(loaded)
     named = [arm_config(a, config.max_kv_size) for a in config.arms]

@@ -23,6 +23,7 @@ from mlx_lm.utils import dequantize_model
 from mlx_lm.utils import load as mlx_lm_load
 
 from metal import KERNELS
+from metal.cpu.kernels import MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,53 @@ class CpuRoPE(nn.Module):
                                 offset=offset)
         offset = offset.astype(mx.int32) if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
         return self._kernels.rope(x, offset, dims=self.dims, base=self.base, scale=self.scale)
+
+
+def use_cpu_rows_matmul(model: nn.Module) -> int:
+    """On the CPU, where the CPU kernels run, each of the model's plain ``nn.Linear`` layers and
+    its tied embedding's ``as_linear`` (the LM head) with float32 weights take the kernels'
+    ``rows_matmul`` for inputs of up to ``MAX_ROWS`` rows (a decode step of a few rows; a
+    prompt chunk or a larger batch keeps OpenBLAS): each weight read once, where OpenBLAS's sgemm
+    copies the whole matrix a call. Returns how many modules were given it."""
+    kernels = KERNELS.cpu()
+    if kernels is None:
+        return 0
+    swapped = 0
+    for _, module in model.named_modules():
+        cls = type(module)
+        if cls in (nn.Linear, nn.Embedding) and module.weight.dtype == mx.float32:
+            module.__class__ = _rows_matmul_class(cls, kernels)
+            swapped += 1
+    return swapped
+
+
+_ROWS_MATMUL: dict[tuple[type, Any], type] = {}  # by the class it extends and the kernels it calls
+
+
+def _rows_matmul_class(cls: type, kernels: Any) -> type:
+    made = _ROWS_MATMUL.get((cls, kernels))
+    if made is not None:
+        return made
+
+    def few_rows(x: mx.array, w: mx.array) -> bool:
+        return (x.dtype == mx.float32 and w.dtype == mx.float32 and x.ndim > 0 and x.size > 0
+                and x.size <= MAX_ROWS * x.shape[-1])
+
+    if cls is nn.Linear:
+        def __call__(self: Any, x: mx.array) -> mx.array:
+            if not few_rows(x, self.weight):
+                return nn.Linear.__call__(self, x)
+            y = kernels.rows_matmul(x, self.weight)
+            return y + self.bias if "bias" in self else y
+
+        body = {"__call__": __call__}
+    else:
+        def as_linear(self: Any, x: mx.array) -> mx.array:
+            return kernels.rows_matmul(x, self.weight) if few_rows(x, self.weight) else nn.Embedding.as_linear(self, x)
+
+        body = {"as_linear": as_linear}
+    made = _ROWS_MATMUL[(cls, kernels)] = type(f"CpuRows{cls.__name__}", (cls,), body)
+    return made
 
 
 def use_cpu_swiglu(model: nn.Module) -> int:

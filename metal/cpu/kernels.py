@@ -13,6 +13,7 @@ from metal.records import RECORD_FIELDS
 from metal.reference import hadamard, validity_mask
 
 WIDTHS = (2, 4, 8)  # code widths whose codes never straddle a 32-bit word
+MAX_ROWS = 4  # rows of x ``rows_matmul`` takes (metal/cpu/src/kvarn_cpu.cpp)
 
 
 class CpuKernels:
@@ -40,6 +41,12 @@ class CpuKernels:
         float32 ``x`` [B, N, T, D] (any strides) and an int32 ``offset`` (one, or one a row): its
         CPU fallback's bits in one primitive instead of ~20 graph nodes a call."""
         return self.module.rope(x, offset, dims, base, scale)
+
+    def rows_matmul(self, x: mx.array, w: mx.array) -> mx.array:
+        """``x @ w.T`` for float32 ``x`` [..., K] of 1 to ``MAX_ROWS`` rows and ``w`` [N, K]: each
+        row of ``w`` read once from memory (OpenBLAS's sgemm packs all of ``w`` a call), float32
+        sums in another order (~1e-7 relative, closer to float64 than sgemm's)."""
+        return self.module.rows_matmul(x, w)
 
     def swiglu(self, gate: mx.array, up: mx.array) -> mx.array:
         """``nn.silu(gate) * up`` (mlx-lm's ``swiglu``) for float32 ``gate`` and ``up`` of one

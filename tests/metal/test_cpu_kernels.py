@@ -366,6 +366,36 @@ def test_a_rope_off_mlx_s_bits_is_not_used_and_the_other_kernels_still_are(caplo
     assert Kernels().cpu_rope() is not None
 
 
+@pytest.mark.parametrize("rows, N, K", [(1, 1536, 512), (2, 512, 1536), (3, 37, 24), (4, 8192, 64), (1, 5, 3)],
+                         ids=["one-row", "two", "three-odd", "four-head", "tiny"])
+def test_rows_matmul_is_x_times_w_transposed_to_float32_rounding(kernels, rows, N, K):
+    """Each output within float32's rounding of a float64 product (closer than OpenBLAS's sgemm);
+    rows of w past the 4-row blocks and K past the 8 lanes included."""
+    x = mx.random.normal((1, rows, K), key=mx.random.key(rows)) * 3
+    w = mx.random.normal((N, K), key=mx.random.key(N))
+    want = np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64).T
+    got = kernels.rows_matmul(x, w)
+    assert got.shape == (1, rows, N) and got.dtype == mx.float32
+    scale = np.abs(np.array(x, np.float64)) @ np.abs(np.array(w, np.float64)).T  # the sum of |terms|
+    assert (np.abs(np.array(got) - want) / scale).max() < 2e-6
+    sgemm = np.array(x @ w.T)
+    assert (np.abs(np.array(got) - want) / scale).max() <= max((np.abs(sgemm - want) / scale).max(), 2e-7)
+
+
+def test_rows_matmul_reads_views_runs_compiled_and_refuses_what_it_cannot_take(kernels):
+    x, w = mx.random.normal((64, 2), key=mx.random.key(5)), mx.random.normal((64, 48), key=mx.random.key(6))
+    want = np.array(x.T, np.float64) @ np.array(w.T, np.float64).T  # both transposed views
+    assert np.abs(np.array(kernels.rows_matmul(x.T, w.T)) - want).max() < 1e-4
+    traced = mx.compile(lambda a, b: kernels.rows_matmul(a, b) * 2)(x.T, w.T)
+    assert mx.array_equal(traced, kernels.rows_matmul(x.T, w.T) * 2).item()
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        kernels.rows_matmul(mx.zeros((5, 8)), mx.zeros((3, 8)))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.rows_matmul(mx.zeros((1, 8), mx.float16), mx.zeros((3, 8), mx.float16))
+    with pytest.raises(ValueError, match="one K"):
+        kernels.rows_matmul(mx.zeros((1, 8)), mx.zeros((3, 9)))
+
+
 SPECIAL_GATES = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 88.0, -88.0, 88.7, -88.7, 1e-30, -1e-30,
                  0.34657359, -0.34657359]  # the last two: |g| log2(e) + 0.5 at an integer, where exp rounds
 

@@ -22,6 +22,10 @@
 //   Rope           rotary position embedding (mx.fast.rope, not traditional): the operations of MLX's
 //                  CPU fallback on every element (its exp, sin and cos; the same bits) in one task
 //                  instead of the fallback's ~20 graph nodes a call.
+//   RowsMatmul     x @ w^T for a few rows of x (a decode step's rows: up to 4): each row of w read once,
+//                  from memory, for all rows of x, split over the cores. MLX's CPU matmul is OpenBLAS's
+//                  sgemm, which packs (copies) the whole weight matrix for every call: at one row 2-3x
+//                  the bytes a matrix-vector product reads, and most of a one-user decode step.
 //   SwiGLU         silu(gate) * up, a Llama MLP's activation (mlx-lm's compiled swiglu): MLX's own sigmoid
 //                  and exp on every element (the same bits) in loops the compiler vectorizes. MLX's fused CPU
 //                  kernel calls a scalar exp and a library fma an element (~20 ns): 12% of a 16-row decode
@@ -335,6 +339,88 @@ array rope(const array& x, const array& offset, int dims, float base, float scal
   if (offset.dtype() != int32 || offset.ndim() > 1 || (offset.size() != 1 && offset.size() != x.shape(0)))
     throw std::invalid_argument("rope takes an int32 offset, one or one a row");
   return array(x.shape(), float32, std::make_shared<Rope>(s, dims, base, scale), {x, offset});
+}
+
+// ---------------------------------------------------------------------------------------------
+// RowsMatmul: x [..., K] float32 (M = x.size / K rows, M <= MAX_ROWS), w [N, K] float32 -> [..., N],
+// out[m, n] = sum_k x[m, k] w[n, k]: each row of w streamed once for every row of x, in 8-lane
+// fused multiply-add chains (float32, another order than OpenBLAS's: ~1e-7 relative), NB rows of w
+// at a time so that a single row of x still has independent chains.
+constexpr int MAX_ROWS = 4;
+
+template <int M, int NB>
+void rows_matmul(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t lo, int64_t hi) {
+  int64_t n = lo;
+  for (; n + NB <= hi; n += NB) {
+    float acc[NB][M][LANES] = {};
+    int64_t k = 0;
+    for (; k + LANES <= K; k += LANES)
+      for (int b = 0; b < NB; ++b) {
+        const float* wr = w + (n + b) * K + k;
+        for (int m = 0; m < M; ++m)
+          for (int l = 0; l < LANES; ++l) acc[b][m][l] = fma(wr[l], x[m * K + k + l], acc[b][m][l]);
+      }
+    for (int b = 0; b < NB; ++b)
+      for (int m = 0; m < M; ++m) {
+        float s = 0.0f;
+        for (int l = 0; l < LANES; ++l) s += acc[b][m][l];
+        for (int64_t j = k; j < K; ++j) s = fma(w[(n + b) * K + j], x[m * K + j], s);
+        out[m * N + n + b] = s;
+      }
+  }
+  if (n < hi) rows_matmul<M, 1>(x, w, out, K, N, n, hi);
+}
+
+class RowsMatmul : public UnaryPrimitive {
+ public:
+  explicit RowsMatmul(Stream s) : UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<array>& given, array& out) override {
+    const std::vector<array> inputs = row_contiguous(given, stream());
+    const array& x = inputs[0];
+    const array& w = inputs[1];
+    out.set_data(allocator::malloc(out.nbytes()));
+    auto& encoder = cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    const int64_t K = w.shape(1), N = w.shape(0), M = K ? x.size() / K : 0;
+    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), dst = out.data<float>(), K, N, M]() {
+      constexpr int64_t BLOCK = 64;  // rows of w a task: chunks the threads split
+      const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+      parallel_for(blocks, BLOCK * K * 2, [&](int64_t lo, int64_t hi) {
+        const int64_t a = lo * BLOCK, b = std::min(N, hi * BLOCK);
+        switch (M) {
+          case 1: return rows_matmul<1, 4>(xp, wp, dst, K, N, a, b);
+          case 2: return rows_matmul<2, 2>(xp, wp, dst, K, N, a, b);
+          case 3: return rows_matmul<3, 1>(xp, wp, dst, K, N, a, b);
+          default: return rows_matmul<4, 1>(xp, wp, dst, K, N, a, b);
+        }
+      });
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("RowsMatmul runs on the CPU only");
+  }
+  const char* name() const override { return "KvarnRowsMatmul"; }
+  bool is_equivalent(const Primitive&) const override { return true; }
+  std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
+    Shape shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+};
+
+array rows_matmul_of(const array& x, const array& w) {
+  auto s = to_stream(Device::cpu);
+  if (x.dtype() != float32 || w.dtype() != float32 || x.ndim() == 0 || w.ndim() != 2)
+    throw std::invalid_argument("rows_matmul takes float32 x [..., K] and w [N, K]");
+  if (x.shape(-1) != w.shape(1)) throw std::invalid_argument("rows_matmul takes x and w of one K");
+  if (x.size() > MAX_ROWS * static_cast<size_t>(x.shape(-1)) || x.size() == 0)
+    throw std::invalid_argument("rows_matmul takes 1 to 4 rows of x");
+  Shape shape = x.shape();
+  shape.back() = w.shape(0);
+  return array(shape, float32, std::make_shared<RowsMatmul>(s), {x, w});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1157,6 +1243,8 @@ NB_MODULE(_kvarn_cpu, m) {
         "x @ H (float32) along the last axis, H the normalized Hadamard matrix block-diagonal over width");
   m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("base"), nb::arg("scale"),
         "mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset) for float32 [B, N, T, D]");
+  m.def("rows_matmul", &rows_matmul_of, nb::arg("x"), nb::arg("w"),
+        "x @ w.T for float32 x [..., K] of 1 to 4 rows and w [N, K]: w read once (see the source)");
   m.def("swiglu", &swiglu, nb::arg("gate"), nb::arg("up"),
         "silu(gate) * up for float32 gate and up of one shape: MLX's bits (see the source)");
   m.def("decode_records", &decode_records, nb::arg("q"), nb::arg("win_k"), nb::arg("win_v"), nb::arg("win_ids"),

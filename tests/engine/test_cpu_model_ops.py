@@ -1,6 +1,7 @@
-"""The model's gated MLPs through the CPU kernels' SwiGLU (``engine/loader.py: use_cpu_swiglu``): the
-same parameters and the same logits as mlx-lm's own model, and the swap only where the MLP's code is
-mlx-lm's ``down_proj(swiglu(gate_proj(x), up_proj(x)))``."""
+"""The model's operations through the CPU kernels (``engine/loader.py``): gated MLPs' SwiGLU
+(``use_cpu_swiglu``: the same parameters and the same logits as mlx-lm's own model, swapped only where
+the MLP's code is mlx-lm's ``down_proj(swiglu(gate_proj(x), up_proj(x)))``), and the Linear layers'
+products of a few rows (``use_cpu_rows_matmul``: float32 rounding, prompts untouched)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mlx_lm.models import llama, qwen3
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.loader import load_model, use_cpu_rope, use_cpu_swiglu
+from engine.loader import load_model, use_cpu_rope, use_cpu_rows_matmul, use_cpu_swiglu
 from metal.selector import Kernels
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the CPU kernels run where MLX runs on the CPU")
@@ -71,3 +72,25 @@ def test_only_mlx_lm_s_swiglu_line_is_swapped_and_other_dtypes_keep_mlx_s_path(m
     assert mx.array_equal(model.layers[0](half), Gated.__call__(model.layers[0], half)).item()
     monkeypatch.setattr("engine.loader.KERNELS", Kernels(backend=None))  # no kernels: nothing is swapped
     assert use_cpu_swiglu(Model()) == 0
+
+
+def test_a_few_rows_take_the_rows_matmul_and_a_prompt_keeps_openblas_s_bits():
+    """Every Linear layer and the tied LM head are given the kernel; a decode token's logits are
+    the model's to float32 rounding, a prompt chunk's (more rows than the kernel takes) keep their
+    bits."""
+    ours, theirs = load_model(), load_model()
+    assert use_cpu_rows_matmul(ours.model) == 7 * len(ours.model.layers) + 1
+    assert type(ours.model.model.embed_tokens).__name__ == "CpuRowsEmbedding"
+    prompt = mx.array([[5, 77, 901, 33, 2048, 7, 7, 300, 12, 4000]])
+    caches = [make_prompt_cache(ours.model), make_prompt_cache(theirs.model)]
+    outs = [m.model(prompt, cache=c) for m, c in zip((ours, theirs), caches)]
+    assert mx.array_equal(outs[0], outs[1]).item()
+    for token in (17, 18):
+        outs = [m.model(mx.array([[token]]), cache=c) for m, c in zip((ours, theirs), caches)]
+        assert mx.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4).item()
+        assert mx.argmax(outs[0][0, -1]).item() == mx.argmax(outs[1][0, -1]).item()
+    x = mx.random.normal((1, 3, ours.model.args.hidden_size), key=mx.random.key(9))
+    layer = ours.model.layers[0].mlp.gate_proj
+    assert mx.allclose(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5).item()
+    half = x.astype(mx.float16)  # another dtype: MLX's own matmul
+    assert mx.array_equal(layer(half), nn.Linear.__call__(layer, half)).item()
