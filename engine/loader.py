@@ -187,7 +187,9 @@ def use_cpu_rows_matmul(model: nn.Module) -> int:
     its tied embedding's ``as_linear`` (the LM head) with float32 weights take the kernels'
     ``rows_matmul`` for inputs of up to ``MAX_ROWS`` rows (a decode step of a few rows; a
     prompt chunk or a larger batch keeps OpenBLAS): each weight read once, where OpenBLAS's sgemm
-    copies the whole matrix a call. Returns how many modules were given it."""
+    copies the whole matrix a call. A weight whose every value is a bfloat16 (a bfloat16 or 8-bit
+    model computing in float32) is read from a bfloat16 copy kept beside it: the same values, half
+    the bytes. Returns how many modules were given the kernel."""
     kernels = KERNELS.cpu()
     if kernels is None:
         return 0
@@ -195,9 +197,20 @@ def use_cpu_rows_matmul(model: nn.Module) -> int:
     for _, module in model.named_modules():
         cls = type(module)
         if cls in (nn.Linear, nn.Embedding) and module.weight.dtype == mx.float32:
+            narrow = module.weight.astype(mx.bfloat16)
+            exact = mx.array_equal(narrow.astype(mx.float32), module.weight).item()
             module.__class__ = _rows_matmul_class(cls, kernels)
+            module.decode_weight = DecodeWeight(narrow if exact else module.weight)
             swapped += 1
     return swapped
+
+
+class DecodeWeight:
+    """The weight a module's few-row products read (``use_cpu_rows_matmul``): held outside the
+    module's parameters, so its tree, ``parameters()`` and what is saved are the model's own."""
+
+    def __init__(self, array: mx.array) -> None:
+        self.array = array
 
 
 _ROWS_MATMUL: dict[tuple[type, Any], type] = {}  # by the class it extends and the kernels it calls
@@ -208,21 +221,22 @@ def _rows_matmul_class(cls: type, kernels: Any) -> type:
     if made is not None:
         return made
 
-    def few_rows(x: mx.array, w: mx.array) -> bool:
-        return (x.dtype == mx.float32 and w.dtype == mx.float32 and x.ndim > 0 and x.size > 0
-                and x.size <= MAX_ROWS * x.shape[-1])
+    def few_rows(x: mx.array) -> bool:
+        return x.dtype == mx.float32 and x.ndim > 0 and 0 < x.size <= MAX_ROWS * x.shape[-1]
 
     if cls is nn.Linear:
         def __call__(self: Any, x: mx.array) -> mx.array:
-            if not few_rows(x, self.weight):
+            if not few_rows(x) or self.weight.dtype != mx.float32:
                 return nn.Linear.__call__(self, x)
-            y = kernels.rows_matmul(x, self.weight)
+            y = kernels.rows_matmul(x, self.decode_weight.array)
             return y + self.bias if "bias" in self else y
 
         body = {"__call__": __call__}
     else:
         def as_linear(self: Any, x: mx.array) -> mx.array:
-            return kernels.rows_matmul(x, self.weight) if few_rows(x, self.weight) else nn.Embedding.as_linear(self, x)
+            if not few_rows(x) or self.weight.dtype != mx.float32:
+                return nn.Embedding.as_linear(self, x)
+            return kernels.rows_matmul(x, self.decode_weight.array)
 
         body = {"as_linear": as_linear}
     made = _ROWS_MATMUL[(cls, kernels)] = type(f"CpuRows{cls.__name__}", (cls,), body)

@@ -43,9 +43,10 @@ class CpuKernels:
         return self.module.rope(x, offset, dims, base, scale)
 
     def rows_matmul(self, x: mx.array, w: mx.array) -> mx.array:
-        """``x @ w.T`` for float32 ``x`` [..., K] of 1 to ``MAX_ROWS`` rows and ``w`` [N, K]: each
-        row of ``w`` read once from memory (OpenBLAS's sgemm packs all of ``w`` a call), float32
-        sums in another order (~1e-7 relative, closer to float64 than sgemm's)."""
+        """``x @ w.T`` for float32 ``x`` [..., K] of 1 to ``MAX_ROWS`` rows and ``w`` [N, K] (float32,
+        or bfloat16: widened exactly, the bits of its float32 copy): each row of ``w`` read once
+        from memory (OpenBLAS's sgemm packs all of ``w`` a call), float32 sums in another order
+        (~1e-7 relative, closer to float64 than sgemm's)."""
         return self.module.rows_matmul(x, w)
 
     def swiglu(self, gate: mx.array, up: mx.array) -> mx.array:

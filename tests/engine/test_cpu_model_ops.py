@@ -81,6 +81,9 @@ def test_a_few_rows_take_the_rows_matmul_and_a_prompt_keeps_openblas_s_bits():
     ours, theirs = load_model(), load_model()
     assert use_cpu_rows_matmul(ours.model) == 7 * len(ours.model.layers) + 1
     assert type(ours.model.model.embed_tokens).__name__ == "CpuRowsEmbedding"
+    # an 8-bit model's float32 weights are bfloat16 values: read from a bfloat16 copy, outside the parameters
+    assert ours.model.model.embed_tokens.decode_weight.array.dtype == mx.bfloat16
+    assert [k for k, _ in tree_flatten(ours.model.parameters())] == [k for k, _ in tree_flatten(theirs.model.parameters())]
     prompt = mx.array([[5, 77, 901, 33, 2048, 7, 7, 300, 12, 4000]])
     caches = [make_prompt_cache(ours.model), make_prompt_cache(theirs.model)]
     outs = [m.model(prompt, cache=c) for m, c in zip((ours, theirs), caches)]
@@ -94,3 +97,18 @@ def test_a_few_rows_take_the_rows_matmul_and_a_prompt_keeps_openblas_s_bits():
     assert mx.allclose(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5).item()
     half = x.astype(mx.float16)  # another dtype: MLX's own matmul
     assert mx.array_equal(layer(half), nn.Linear.__call__(layer, half)).item()
+
+
+def test_a_weight_that_is_not_bfloat16_keeps_its_float32_copy():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = [nn.Linear(16, 8), nn.Linear(16, 8, bias=False)]
+
+    model = Model()
+    model.layers[1].weight = model.layers[1].weight.astype(mx.bfloat16).astype(mx.float32)
+    assert use_cpu_rows_matmul(model) == 2
+    assert [layer.decode_weight.array.dtype for layer in model.layers] == [mx.float32, mx.bfloat16]
+    x = mx.random.normal((2, 16), key=mx.random.key(4))
+    for layer in model.layers:
+        assert mx.allclose(layer(x), nn.Linear.__call__(layer, x), rtol=1e-5, atol=1e-5).item()

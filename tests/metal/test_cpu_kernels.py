@@ -370,9 +370,11 @@ def test_a_rope_off_mlx_s_bits_is_not_used_and_the_other_kernels_still_are(caplo
                          ids=["one-row", "two", "three-odd", "four-head", "tiny"])
 def test_rows_matmul_is_x_times_w_transposed_to_float32_rounding(kernels, rows, N, K):
     """Each output within float32's rounding of a float64 product (closer than OpenBLAS's sgemm);
-    rows of w past the 4-row blocks and K past the 8 lanes included."""
+    rows of w past the 4-row blocks and K past the 8 lanes included. A bfloat16 w gives the bits
+    of its float32 copy."""
     x = mx.random.normal((1, rows, K), key=mx.random.key(rows)) * 3
-    w = mx.random.normal((N, K), key=mx.random.key(N))
+    w = mx.random.normal((N, K), key=mx.random.key(N)).astype(mx.bfloat16).astype(mx.float32)
+    assert mx.array_equal(kernels.rows_matmul(x, w.astype(mx.bfloat16)), kernels.rows_matmul(x, w)).item()
     want = np.array(x, dtype=np.float64) @ np.array(w, dtype=np.float64).T
     got = kernels.rows_matmul(x, w)
     assert got.shape == (1, rows, N) and got.dtype == mx.float32
@@ -392,6 +394,8 @@ def test_rows_matmul_reads_views_runs_compiled_and_refuses_what_it_cannot_take(k
         kernels.rows_matmul(mx.zeros((5, 8)), mx.zeros((3, 8)))
     with pytest.raises(ValueError, match="float32"):
         kernels.rows_matmul(mx.zeros((1, 8), mx.float16), mx.zeros((3, 8), mx.float16))
+    with pytest.raises(ValueError, match="bfloat16 w"):
+        kernels.rows_matmul(mx.zeros((1, 8)), mx.zeros((3, 8), mx.float16))
     with pytest.raises(ValueError, match="one K"):
         kernels.rows_matmul(mx.zeros((1, 8)), mx.zeros((3, 9)))
 

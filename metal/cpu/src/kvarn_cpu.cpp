@@ -342,33 +342,62 @@ array rope(const array& x, const array& offset, int dims, float base, float scal
 }
 
 // ---------------------------------------------------------------------------------------------
-// RowsMatmul: x [..., K] float32 (M = x.size / K rows, M <= MAX_ROWS), w [N, K] float32 -> [..., N],
-// out[m, n] = sum_k x[m, k] w[n, k]: each row of w streamed once for every row of x, in 8-lane
-// fused multiply-add chains (float32, another order than OpenBLAS's: ~1e-7 relative), NB rows of w
-// at a time so that a single row of x still has independent chains.
+// RowsMatmul: x [..., K] float32 (M = x.size / K rows, M <= MAX_ROWS), w [N, K] float32 or bfloat16
+// -> [..., N] float32, out[m, n] = sum_k x[m, k] w[n, k]: each row of w streamed once for every row of
+// x, in 8-lane fused multiply-add chains (float32, another order than OpenBLAS's: ~1e-7 relative), NB
+// rows of w at a time so that a single row of x still has independent chains. A bfloat16 w (the same
+// values as a float32 copy whose every weight is a bfloat16, as a bfloat16 or 8-bit model's are) is
+// widened in registers, exactly: half the bytes a step streams, the same result bits.
 constexpr int MAX_ROWS = 4;
 
-template <int M, int NB>
-void rows_matmul(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t lo, int64_t hi) {
+inline float widen(float w) {
+  return w;
+}
+inline float widen(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float w;
+  std::memcpy(&w, &bits, sizeof w);
+  return w;
+}
+
+template <int M, int NB, class WT>
+void rows_matmul(const float* x, const WT* w, float* out, int64_t K, int64_t N, int64_t lo, int64_t hi) {
   int64_t n = lo;
   for (; n + NB <= hi; n += NB) {
     float acc[NB][M][LANES] = {};
     int64_t k = 0;
     for (; k + LANES <= K; k += LANES)
       for (int b = 0; b < NB; ++b) {
-        const float* wr = w + (n + b) * K + k;
+        const WT* wr = w + (n + b) * K + k;
+        float wv[LANES];
+        for (int l = 0; l < LANES; ++l) wv[l] = widen(wr[l]);
         for (int m = 0; m < M; ++m)
-          for (int l = 0; l < LANES; ++l) acc[b][m][l] = fma(wr[l], x[m * K + k + l], acc[b][m][l]);
+          for (int l = 0; l < LANES; ++l) acc[b][m][l] = fma(wv[l], x[m * K + k + l], acc[b][m][l]);
       }
     for (int b = 0; b < NB; ++b)
       for (int m = 0; m < M; ++m) {
         float s = 0.0f;
         for (int l = 0; l < LANES; ++l) s += acc[b][m][l];
-        for (int64_t j = k; j < K; ++j) s = fma(w[(n + b) * K + j], x[m * K + j], s);
+        for (int64_t j = k; j < K; ++j) s = fma(widen(w[(n + b) * K + j]), x[m * K + j], s);
         out[m * N + n + b] = s;
       }
   }
   if (n < hi) rows_matmul<M, 1>(x, w, out, K, N, n, hi);
+}
+
+template <class WT>
+void rows_matmul_all(const float* x, const WT* w, float* out, int64_t K, int64_t N, int64_t M) {
+  constexpr int64_t BLOCK = 64;  // rows of w a task: chunks the threads split
+  const int64_t blocks = (N + BLOCK - 1) / BLOCK;
+  parallel_for(blocks, BLOCK * K * 2, [&](int64_t lo, int64_t hi) {
+    const int64_t a = lo * BLOCK, b = std::min(N, hi * BLOCK);
+    switch (M) {
+      case 1: return rows_matmul<1, 4>(x, w, out, K, N, a, b);
+      case 2: return rows_matmul<2, 2>(x, w, out, K, N, a, b);
+      case 3: return rows_matmul<3, 1>(x, w, out, K, N, a, b);
+      default: return rows_matmul<4, 1>(x, w, out, K, N, a, b);
+    }
+  });
 }
 
 class RowsMatmul : public UnaryPrimitive {
@@ -385,19 +414,15 @@ class RowsMatmul : public UnaryPrimitive {
     encoder.set_input_array(w);
     encoder.set_output_array(out);
     const int64_t K = w.shape(1), N = w.shape(0), M = K ? x.size() / K : 0;
-    encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), dst = out.data<float>(), K, N, M]() {
-      constexpr int64_t BLOCK = 64;  // rows of w a task: chunks the threads split
-      const int64_t blocks = (N + BLOCK - 1) / BLOCK;
-      parallel_for(blocks, BLOCK * K * 2, [&](int64_t lo, int64_t hi) {
-        const int64_t a = lo * BLOCK, b = std::min(N, hi * BLOCK);
-        switch (M) {
-          case 1: return rows_matmul<1, 4>(xp, wp, dst, K, N, a, b);
-          case 2: return rows_matmul<2, 2>(xp, wp, dst, K, N, a, b);
-          case 3: return rows_matmul<3, 1>(xp, wp, dst, K, N, a, b);
-          default: return rows_matmul<4, 1>(xp, wp, dst, K, N, a, b);
-        }
+    if (w.dtype() == bfloat16) {
+      encoder.dispatch([xp = x.data<float>(), wp = w.data<uint16_t>(), dst = out.data<float>(), K, N, M]() {
+        rows_matmul_all(xp, wp, dst, K, N, M);
       });
-    });
+    } else {
+      encoder.dispatch([xp = x.data<float>(), wp = w.data<float>(), dst = out.data<float>(), K, N, M]() {
+        rows_matmul_all(xp, wp, dst, K, N, M);
+      });
+    }
   }
   void eval_gpu(const std::vector<array>&, array&) override {
     throw std::runtime_error("RowsMatmul runs on the CPU only");
@@ -413,8 +438,8 @@ class RowsMatmul : public UnaryPrimitive {
 
 array rows_matmul_of(const array& x, const array& w) {
   auto s = to_stream(Device::cpu);
-  if (x.dtype() != float32 || w.dtype() != float32 || x.ndim() == 0 || w.ndim() != 2)
-    throw std::invalid_argument("rows_matmul takes float32 x [..., K] and w [N, K]");
+  if (x.dtype() != float32 || (w.dtype() != float32 && w.dtype() != bfloat16) || x.ndim() == 0 || w.ndim() != 2)
+    throw std::invalid_argument("rows_matmul takes float32 x [..., K] and float32 or bfloat16 w [N, K]");
   if (x.shape(-1) != w.shape(1)) throw std::invalid_argument("rows_matmul takes x and w of one K");
   if (x.size() > MAX_ROWS * static_cast<size_t>(x.shape(-1)) || x.size() == 0)
     throw std::invalid_argument("rows_matmul takes 1 to 4 rows of x");
