@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from collections.abc import Callable
 from pathlib import Path
@@ -189,9 +190,12 @@ def use_cpu_rows_matmul(model: nn.Module) -> int:
     prompt chunk or a larger batch keeps OpenBLAS): each weight read once, where OpenBLAS's sgemm
     copies the whole matrix a call. A weight whose every value is a bfloat16 (a bfloat16 or 8-bit
     model computing in float32) is read from a bfloat16 copy kept beside it: the same values, half
-    the bytes. Returns how many modules were given the kernel."""
+    the bytes. Returns how many modules were given the kernel. Only where OpenBLAS computes MLX's
+    CPU products (preloaded, ``server/blas.py``): MLX's own reference BLAS sums every output in one
+    order whatever the row count (``tests/openblas_plugin.py``), which a kernel for a few rows would
+    break."""
     kernels = KERNELS.cpu()
-    if kernels is None:
+    if kernels is None or "openblas" not in os.environ.get("LD_PRELOAD", ""):
         return 0
     swapped = 0
     for _, module in model.named_modules():

@@ -112,3 +112,11 @@ def test_a_weight_that_is_not_bfloat16_keeps_its_float32_copy():
     x = mx.random.normal((2, 16), key=mx.random.key(4))
     for layer in model.layers:
         assert mx.allclose(layer(x), nn.Linear.__call__(layer, x), rtol=1e-5, atol=1e-5).item()
+
+
+def test_under_mlx_s_reference_blas_the_products_stay_mlx_s(monkeypatch):
+    """The reference BLAS sums every output in one order whatever the row count (what
+    tests/openblas_plugin.py relies on): a kernel for a few rows would break that, so it is not used."""
+    monkeypatch.setenv("LD_PRELOAD", "")
+    model = nn.Sequential(nn.Linear(16, 8))
+    assert use_cpu_rows_matmul(model) == 0 and type(model.layers[0]) is nn.Linear
