@@ -98,7 +98,7 @@ class EngineArm:
 
     def __init__(self, loaded, arm: str, depth: int, chunk: int, rows: int = 1) -> None:
         base, run_ahead, _, _ = arm_flags(arm)
-        cfg = SchedulerConfig(max_num_seqs=rows + 1, max_num_batched_tokens=chunk + 2, prefill_chunk_size=chunk,
+        cfg = SchedulerConfig(max_num_seqs=rows + 1, max_num_batched_tokens=chunk + rows + 1, prefill_chunk_size=chunk,
                               async_scheduling=run_ahead)
         self.engine = make_engine(loaded, cfg, arm_config(base), ApcConfig(enabled=False))
         rng = random.Random(3)

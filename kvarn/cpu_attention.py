@@ -84,9 +84,27 @@ def softmax_parts(scores: mx.array, top: mx.array | None = None) -> tuple[mx.arr
     row where it runs (``metal.cpu``: the same bits), else ``_exp_below`` and a sum."""
     kernels = KERNELS.cpu() if scores.dtype == mx.float32 else None
     if kernels is not None:
-        return kernels.exp_rows(scores, top)
+        return kernels.exp_rows(scores, top)[:2]
     weights = _exp_below(scores, mx.max(scores, axis=-1, keepdims=True) if top is None else top)
     return weights, mx.sum(weights, axis=-1, keepdims=True)
+
+
+def masked_softmax_parts(scores: mx.array, mask: mx.array | None,
+                         floor: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """(``softmax_parts`` of x = ``scores`` + the additive ``mask``, and the top they are taken
+    under: x's row max, at least ``floor`` [..., 1] where given). A float32 [L, T] mask under
+    scores [..., L, T] is added inside the CPU kernel's pass a row where it runs (MLX's add and
+    max reduction each take a pass over the whole matrix, on one thread); the same bits either way."""
+    kernels = KERNELS.cpu() if scores.dtype == mx.float32 else None
+    if kernels is not None and (mask is None or (mask.ndim == 2 and mask.dtype == mx.float32
+                                                 and mask.shape[1] == scores.shape[-1]
+                                                 and scores.ndim >= 2 and scores.shape[-2] == mask.shape[0])):
+        return kernels.exp_rows(scores, mask=mask, floor=floor)
+    x = scores if mask is None else scores + mask
+    top = mx.max(x, axis=-1, keepdims=True)
+    if floor is not None:
+        top = mx.maximum(top, floor)
+    return (*softmax_parts(x, top), top)
 
 
 FEW_QUERY_ROWS = 16  # up to this many query rows a KV head, scores are computed as keys @ q^T
@@ -109,11 +127,11 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     H = keys.shape[1]
     R = n_q // H
     scores = scores_product((queries * scale).reshape(B, H, R * L, D), keys).reshape(B, H, R, L, -1)
-    if mask is not None:
+    if mask is not None and (mask.ndim != 2 or mask.dtype == mx.bool_):
         if mask.ndim == 4:  # per row (and per query head): onto [B, H, R, L, T]
             mask = mask[:, :, None] if mask.shape[1] == 1 else mask.reshape(B, H, R, L, -1)
-        scores = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask
-    weights, total = softmax_parts(scores)
+        scores, mask = mx.where(mask, scores, -mx.inf) if mask.dtype == mx.bool_ else scores + mask, None
+    weights, total, _ = masked_softmax_parts(scores, mask)  # an additive [L, T] mask: added in the pass
     out = weights.reshape(B, H, R * L, -1) @ values
     return (out.reshape(B, H, R, L, D) / total).reshape(B, n_q, L, D)
 
@@ -149,7 +167,7 @@ def window_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: 
     num_tiles = -(-(end - window_start) // G)
     front, back, skip = lo - window_start, num_tiles * G - (end - window_start), lo - start
     q = (queries * scale).reshape(B, H, R, L, D)
-    main = (q.reshape(B, H, R * L, D) @ mx.swapaxes(keys, -1, -2)).reshape(B, H, R, L, -1) + mask
+    main = (q.reshape(B, H, R * L, D) @ mx.swapaxes(keys, -1, -2)).reshape(B, H, R, L, -1)  # ``mask`` not yet added
     tiles_q = _pad_rows(q[:, :, :, skip:], front, back, 0.0).reshape(B, H, R, num_tiles, G, D)
     tiles_k, tiles_v = (_pad_rows(x, 0, back, 0.0).reshape(B, H, 1, num_tiles, G, D) for x in (window_k, window_v))
     local = tiles_q @ mx.swapaxes(tiles_k, -1, -2) + _tile_mask(G)  # [B, H, R, tiles, G, G]
@@ -158,8 +176,8 @@ def window_attention(queries: mx.array, keys: mx.array, values: mx.array, mask: 
         x = x.reshape(B, H, R, num_tiles * G, -1)[:, :, :, front: num_tiles * G - back]
         return _pad_rows(x, skip, 0, fill)
 
-    top = mx.maximum(mx.max(main, axis=-1, keepdims=True), to_chunk(mx.max(local, axis=-1, keepdims=True), -mx.inf))
-    w_main, sum_main = softmax_parts(main, top)
+    # one top a row over both parts: the masked main part's max, raised to the window part's
+    w_main, sum_main, top = masked_softmax_parts(main, mask, to_chunk(mx.max(local, axis=-1, keepdims=True), -mx.inf))
     w_local, sum_local = softmax_parts(local, _pad_rows(top[:, :, :, skip:], front, back, 0.0).reshape(
         B, H, R, num_tiles, G, 1))
     out = (w_main.reshape(B, H, R * L, -1) @ values).reshape(B, H, R, L, D) + to_chunk(w_local @ tiles_v, 0.0)

@@ -103,6 +103,8 @@ def written(caches: Sequence[Any]) -> list[mx.array]:
 
 def rounded(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Keys or values rotated and rounded to float16 (the contract), held in the window's dtype."""
+    if dtype == mx.float32:  # the CPU's windows: rounded in the rotation's pass
+        return rotate(x.astype(mx.float32), half=True)
     out = rotate(x.astype(mx.float32)).astype(STORE_DTYPE)
     return out if dtype == STORE_DTYPE else out.astype(dtype)
 

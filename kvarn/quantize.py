@@ -32,20 +32,25 @@ def slice_width(head_dim: int) -> int:
     raise ValueError(f"KVarN supports head_dim 64, 128, 256 and 512, not {head_dim}")
 
 
-def rotate(x: mx.array) -> mx.array:
+def rotate(x: mx.array, *, half: bool = False) -> mx.array:
     """x @ H along the last axis (normalized Sylvester Hadamard, block-diagonal over 128-channel
     slices for heads wider than 128). H is symmetric and H @ H = I, so this is also the inverse.
     On the CPU, float32 goes through the CPU kernels' rotation where they run (the same bits as
-    ``mx.hadamard_transform``, whose CPU kernel is a scalar loop)."""
+    ``mx.hadamard_transform``, whose CPU kernel is a scalar loop). ``half`` (float32 ``x``): the
+    result rounded to float16 and held as float32 (``.astype(mx.float16).astype(mx.float32)``'s
+    bits; the CPU kernels round in the same pass)."""
     head_dim = x.shape[-1]
     width = slice_width(head_dim)
+    if half and x.dtype != mx.float32:
+        raise ValueError(f"a rotation rounded to float16 takes float32, not {x.dtype}")
     kernels = KERNELS.cpu() if x.dtype == mx.float32 else None
     if kernels is not None:
-        return kernels.rotate(x, width)
+        return kernels.rotate(x, width, half=half)
     if width == head_dim:
-        return mx.hadamard_transform(x)
-    sliced = x.reshape(*x.shape[:-1], head_dim // width, width)
-    return mx.hadamard_transform(sliced).reshape(x.shape)
+        out = mx.hadamard_transform(x)
+    else:
+        out = mx.hadamard_transform(x.reshape(*x.shape[:-1], head_dim // width, width)).reshape(x.shape)
+    return out.astype(mx.float16).astype(mx.float32) if half else out
 
 
 def _std(m: mx.array, axis: int) -> mx.array:

@@ -373,20 +373,41 @@ def cpu_self_check(kernels: CpuKernels) -> float:
     err = max(err, rotate_mismatch(kernels))
     scores = mx.random.normal((3, 5, 300), key=mx.random.key(5)) * 6
     scores = mx.where(mx.arange(300) % 7 == 3, -mx.inf, scores)
-    weights, sums = kernels.exp_rows(scores)
+    weights, sums, _ = kernels.exp_rows(scores)
     want = mx.exp(scores - mx.max(scores, axis=-1, keepdims=True))
-    return max(err, _max_rel_error(weights, want), _max_rel_error(sums, mx.sum(want, axis=-1, keepdims=True)))
+    err = max(err, _max_rel_error(weights, want), _max_rel_error(sums, mx.sum(want, axis=-1, keepdims=True)))
+    return max(err, masked_exp_mismatch(kernels))
+
+
+def masked_exp_mismatch(kernels: CpuKernels) -> float:
+    """0.0 where the kernels' softmax parts with the mask added in their pass (and a floor under
+    each row's top) give the bits of the mask added by MLX first, else infinity."""
+    k1, k2, k3 = mx.random.split(mx.random.key(17), 3)
+    scores = mx.random.normal((2, 3, 5, 300), key=k1) * 6
+    mask = mx.where(mx.random.uniform(shape=(5, 300), key=k2) < 0.3, -mx.inf, 0.0)
+    floor = mx.where(mx.arange(30).reshape(2, 3, 5, 1) % 4 == 1, 9.0, -mx.inf) + mx.random.normal((2, 3, 5, 1), key=k3)
+    x = scores + mask
+    top = mx.maximum(mx.max(x, axis=-1, keepdims=True), floor)
+    got = kernels.exp_rows(scores, mask=mask, floor=floor)
+    want = kernels.exp_rows(x, top)
+    same = all(mx.array_equal(a, b).item() for a, b in zip(got, (*want[:2], top)))
+    return 0.0 if same else float("inf")
 
 
 def rotate_mismatch(kernels: CpuKernels) -> float:
     """0.0 where the kernels' rotation gives ``mx.hadamard_transform``'s bits over each slice of
-    random rows (widths 128 and 64, several slices a row), else infinity: the windows and records
-    must not depend on which of the two rotated them."""
+    random rows (widths 128 and 64, several slices a row; row-contiguous and a transposed view),
+    and rounded to float16 those of MLX's conversions after it (values past float16's range
+    too), else infinity: the windows and records must not depend on which of the two rotated them."""
     x = mx.random.normal((3, 5, 256), key=mx.random.key(11)) * mx.linspace(0.1, 30.0, 256)
+    x = mx.concatenate([x, x[:1] * 3000.0])  # past float16's range once rotated
     for width in (128, 64):
-        want = mx.hadamard_transform(x.reshape(3, 5, 256 // width, width)).reshape(x.shape)
-        if not mx.array_equal(kernels.rotate(x, width), want).item():
-            return float("inf")
+        for view in (x, x.transpose(1, 0, 2)):  # row-contiguous, and read in place as a model's keys are
+            want = mx.hadamard_transform(view.reshape(*view.shape[:2], 256 // width, width)).reshape(view.shape)
+            if not mx.array_equal(kernels.rotate(view, width), want).item():
+                return float("inf")
+            if not mx.array_equal(kernels.rotate(view, width, half=True), want.astype(mx.float16).astype(mx.float32)).item():
+                return float("inf")
     return 0.0
 
 

@@ -23,12 +23,14 @@ class CpuKernels:
         self.module = module
         self._scales: dict[int, float] = {}
 
-    def rotate(self, x: mx.array, width: int) -> mx.array:
-        """``x`` (float32 [..., D]) @ H along the last axis, H the normalized Hadamard matrix
-        block-diagonal over slices of ``width`` (a power of two dividing D): the bits of
+    def rotate(self, x: mx.array, width: int, *, half: bool = False) -> mx.array:
+        """``x`` (float32 [..., D], any strides) @ H along the last axis, H the normalized Hadamard
+        matrix block-diagonal over slices of ``width`` (a power of two dividing D): the bits of
         ``mx.hadamard_transform`` over each slice, without its scalar loop (~120 us for a decode
-        step's keys and values of 16 rows there, a few us here)."""
-        return self.module.rotate(x, width, self._scale(width))
+        step's keys and values of 16 rows there, a few us here). ``half``: each result rounded to
+        float16 and widened back, the bits of ``.astype(mx.float16).astype(mx.float32)`` after it
+        (a KVarN window's values) without MLX's two one-thread conversions."""
+        return self.module.rotate(x, width, self._scale(width), half)
 
     def _scale(self, width: int) -> float:
         """MLX's own normalization of a ``width``-wide Hadamard transform (a unit vector's first output)."""
@@ -91,11 +93,16 @@ class CpuKernels:
             records["v_codes"], records["v_alpha"], records["v_beta"], records["v_c"], key_bits, value_bits)
         return k_rec, v_rec
 
-    def exp_rows(self, scores: mx.array, top: mx.array | None = None) -> tuple[mx.array, mx.array]:
-        """(exp(scores - top), their sums [..., 1]) for float32 ``scores`` [..., n]; ``top``
-        [..., 1], by default each row's max (``kvarn.cpu_attention._exp_below``'s bits)."""
-        weights, sums = self.module.exp_rows(scores, top)
-        return weights, sums
+    def exp_rows(self, scores: mx.array, top: mx.array | None = None, *, mask: mx.array | None = None,
+                 floor: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """(exp(x - top), their sums [..., 1], top [..., 1]) for x = float32 ``scores`` [..., n]
+        plus, where given, an additive float32 ``mask`` [m, n] (row i of the scores takes mask row
+        i % m: a [L, T] mask under scores [..., L, T]; the bits of ``scores + mask``); ``top``
+        [..., 1], by default each row's max of x, raised to ``floor`` [..., 1] where given
+        (``kvarn.cpu_attention._exp_below``'s bits). One pass a row on every core, where MLX's add
+        and max reduction are a pass over the whole score matrix each, on one thread."""
+        weights, sums, top = self.module.exp_rows(scores, top, mask, floor)
+        return weights, sums, top
 
     def decode_attention(self, q: mx.array, records: dict[str, mx.array], win_k: mx.array, win_v: mx.array,
                          win_ids: mx.array, table: mx.array | None, mask: mx.array, *, win_len: int,

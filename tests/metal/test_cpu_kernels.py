@@ -113,14 +113,89 @@ def test_the_softmax_exp_is_the_pure_mlx_exp_bit_for_bit(kernels, given_top):
     scores = mx.random.normal((2, 3, 5, 1000), key=mx.random.key(1)) * 8
     scores = mx.where(mx.random.uniform(shape=scores.shape, key=mx.random.key(2)) < 0.2, -mx.inf, scores)
     top = mx.max(scores, axis=-1, keepdims=True)
-    weights, sums = kernels.exp_rows(scores, top if given_top else None)
+    weights, sums, used_top = kernels.exp_rows(scores, top if given_top else None)
     want = cpu_attention._exp_below(scores, top)
     assert mx.array_equal(weights, want).item()
+    assert mx.array_equal(used_top, top).item()
     assert sums.shape == (2, 3, 5, 1)
     # float32 sums of 1,000 terms in another order (8 lanes): 1.3e-6 apart measured
     assert mx.allclose(sums, mx.sum(want, axis=-1, keepdims=True), rtol=5e-6, atol=0).item()
     compiled = mx.compile(lambda s: kernels.exp_rows(s)[0])
     assert mx.array_equal(compiled(scores), kernels.exp_rows(scores)[0]).item()
+
+
+def test_a_mask_added_in_the_softmax_pass_gives_the_bits_of_adding_it_first(kernels):
+    """An additive [L, T] mask under scores [..., L, T] added inside the pass (each row its mask row),
+    the top raised to a floor where one is given: the bits of MLX's add, max and maximum before the
+    kernel, eagerly and inside ``mx.compile``; ``kvarn.cpu_attention.masked_softmax_parts`` takes the
+    kernel and, without it, gives the same bits."""
+    k1, k2, k3 = mx.random.split(mx.random.key(21), 3)
+    scores = mx.random.normal((2, 3, 7, 500), key=k1) * 8
+    mask = mx.where(mx.random.uniform(shape=(7, 500), key=k2) < 0.4, -mx.inf, mx.random.normal((7, 500)) * 0.1)
+    mask = mx.concatenate([mx.full((1, 500), -mx.inf), mask[1:]])  # a row that sees nothing
+    i = mx.arange(42).reshape(2, 3, 7, 1)  # a floor on every row that sees nothing (MLX's exp of nan is nan, the kernel's 0)
+    floor = mx.where((i % 3 == 0) | (i % 7 == 0), 30.0, -mx.inf) + mx.random.normal((2, 3, 7, 1), key=k3)
+    x = scores + mask
+    for fl in (None, floor):
+        top = mx.max(x, axis=-1, keepdims=True)
+        top = top if fl is None else mx.maximum(top, fl)
+        want_w, want_s, _ = kernels.exp_rows(x, top)
+        for got in (kernels.exp_rows(scores, mask=mask, floor=fl),
+                    mx.compile(lambda s, m: kernels.exp_rows(s, mask=m, floor=fl))(scores, mask)):
+            assert mx.array_equal(got[0], want_w, equal_nan=True).item()
+            assert mx.array_equal(got[1], want_s, equal_nan=True).item()
+            assert mx.array_equal(got[2], top).item()
+    with mock.patch("kvarn.cpu_attention.KERNELS.cpu", return_value=kernels):
+        fused = cpu_attention.masked_softmax_parts(scores, mask, floor)
+    with mock.patch("kvarn.cpu_attention.KERNELS.cpu", return_value=None):
+        plain = cpu_attention.masked_softmax_parts(scores, mask, floor)
+    assert mx.array_equal(fused[0], plain[0]).item() and mx.array_equal(fused[2], plain[2]).item()
+    assert mx.allclose(fused[1], plain[1], rtol=5e-6, atol=0).item()  # sums in another order (8 lanes)
+
+
+def test_the_softmax_pass_refuses_what_it_cannot_take(kernels):
+    scores = mx.zeros((2, 4, 10))
+    with pytest.raises(ValueError, match="m divides"):
+        kernels.exp_rows(scores, mask=mx.zeros((3, 10)))  # 8 rows, 3 mask rows
+    with pytest.raises(ValueError, match="m divides"):
+        kernels.exp_rows(scores, mask=mx.zeros((4, 10), mx.float16))
+    with pytest.raises(ValueError, match="m divides"):
+        kernels.exp_rows(scores, mask=mx.zeros((4, 9)))
+    with pytest.raises(ValueError, match="not both"):
+        kernels.exp_rows(scores, mx.zeros((2, 4, 1)), floor=mx.zeros((2, 4, 1)))
+    with pytest.raises(ValueError, match="one a row"):
+        kernels.exp_rows(scores, floor=mx.zeros((2, 1, 1)))
+
+
+def test_a_rotation_rounded_to_float16_gives_mlx_s_conversions_bits(kernels):
+    """``rotate(.., half=True)``: the rotation's bits rounded as MLX's ``astype(float16)`` and widened
+    back by its ``astype(float32)``: across float16's range and past it (infinities), subnormals,
+    NaN (MLX's own NaN) and every 7,919th float32 bit pattern; for views read in place (a model's
+    transposed keys, a slice, a broadcast row) and inside ``mx.compile``. ``kvarn.quantize.rotate``
+    and ``kvarn.decode_graph.rounded`` take it on the CPU and give the same bits without it."""
+    patterns = mx.array(np.arange(0, 2**32, 7919, dtype=np.uint64).astype(np.uint32).view(np.float32))
+    patterns = patterns[: patterns.size // 128 * 128].reshape(-1, 128)
+    want = patterns.astype(mx.float16).astype(mx.float32)
+    got = kernels.rotate(patterns, 1, half=True)  # a width of 1: the identity, then the rounding alone
+    assert np.array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+    x = mx.random.normal((4, 96, 3, 128), key=mx.random.key(23)) * mx.power(10.0, mx.linspace(-9, 3.5, 128))
+    x = mx.concatenate([x[:3], mx.full((1, 96, 3, 128), float("nan"))])
+    for view in (x.transpose(0, 2, 1, 3), x[:, ::3, 1:], mx.broadcast_to(x[:1, :1, :1], (2, 5, 1, 128)), x):
+        want = mx.hadamard_transform(view).astype(mx.float16).astype(mx.float32)
+        for out in (kernels.rotate(view, 128, half=True), mx.compile(lambda a: kernels.rotate(a, 128, half=True))(view)):
+            assert np.array_equal(np.array(out).view(np.uint32), np.array(want).view(np.uint32))
+    assert mx.isinf(kernels.rotate(mx.eye(1, 128) * 1e6, 128, half=True)).all().item()  # each +-88,388
+    from kvarn.decode_graph import rounded
+    from kvarn.quantize import rotate
+    keys = x[:3].transpose(0, 2, 1, 3)
+    with mock.patch("kvarn.quantize.KERNELS.cpu", return_value=kernels):
+        fused = rounded(keys, mx.float32)
+    with mock.patch("kvarn.quantize.KERNELS.cpu", return_value=None):
+        plain = rounded(keys, mx.float32)
+        assert mx.array_equal(rounded(keys, mx.float16), plain.astype(mx.float16)).item()
+        with pytest.raises(ValueError, match="takes float32"):
+            rotate(keys.astype(mx.bfloat16), half=True)
+    assert mx.array_equal(fused, plain).item()
 
 
 @pytest.mark.parametrize("width,D", [(64, 64), (128, 128), (128, 256), (128, 512)])
@@ -149,7 +224,9 @@ def test_inputs_that_are_views_read_as_their_contiguous_copies(kernels):
     x = mx.random.normal((4, 128, 6), key=mx.random.key(8)).transpose(0, 2, 1)
     row = mx.broadcast_to(mx.random.normal((1, 128), key=mx.random.key(9)), (5, 128))
     for view in (x, row, mx.random.normal((9, 256), key=mx.random.key(10))[::2, 64:192]):
-        assert mx.array_equal(kernels.rotate(view, 128), kernels.rotate(mx.array(view.tolist()), 128)).item()
+        for half in (False, True):
+            copy = mx.array(view.tolist())
+            assert mx.array_equal(kernels.rotate(view, 128, half=half), kernels.rotate(copy, 128, half=half)).item()
     scores = mx.random.normal((300, 7), key=mx.random.key(12)).T
     for got, want in zip(kernels.exp_rows(scores), kernels.exp_rows(mx.array(scores.tolist()))):
         assert mx.array_equal(got, want).item()
@@ -181,8 +258,8 @@ def test_a_rotation_off_mlx_s_bits_keeps_the_kernels_out(caplog):
     registry = Kernels()
     real = CpuKernels.rotate
 
-    def off(self, x, width):  # noqa: ANN001, ANN202
-        out = real(self, x, width)
+    def off(self, x, width, **kw):  # noqa: ANN001, ANN003, ANN202
+        out = real(self, x, width, **kw)
         return mx.where(mx.arange(out.size).reshape(out.shape) == 7, out * (1 + 2 ** -20), out)
 
     with mock.patch("metal.cpu.kernels.CpuKernels.rotate", off), caplog.at_level(logging.WARNING):

@@ -518,34 +518,51 @@ array swiglu(const array& gate, const array& up) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// ExpRows: scores [rows, n] -> weights exp(scores - top) [rows, n], sums [rows, 1]
+// ExpRows: scores [rows, n], optionally plus an additive mask [m, n] (row i takes mask row i % m:
+// a [L, T] mask under scores [..., L, T]) -> weights exp(x - top) [rows, n], their sums [rows, 1] and
+// top [rows, 1]: the given top, or the row's max of x (raised to floor [rows, 1] where given). x is
+// scores + mask, each sum rounded once as MLX's add: the mask's add, the max and the exp in one pass a
+// row (MLX's add and max reduction are one thread each, over a prompt chunk's whole score matrix).
 class ExpRows : public Primitive {
  public:
-  ExpRows(Stream s, bool given_top) : Primitive(s), given_top_(given_top) {}
+  ExpRows(Stream s, bool given_top, bool masked, bool floored)
+      : Primitive(s), given_top_(given_top), masked_(masked), floored_(floored) {}
 
   void eval_cpu(const std::vector<array>& given, std::vector<array>& outputs) override {
     const std::vector<array> inputs = row_contiguous(given, stream());
     const array& scores = inputs[0];
-    array& weights = outputs[0];
-    array& sums = outputs[1];
-    weights.set_data(allocator::malloc(weights.nbytes()));
-    sums.set_data(allocator::malloc(sums.nbytes()));
-    int64_t n = scores.shape(-1);
-    int64_t rows = n ? scores.size() / n : 0;
-    const float* top = given_top_ ? inputs[1].data<float>() : nullptr;
+    for (auto& o : outputs) o.set_data(allocator::malloc(o.nbytes()));
+    const int64_t n = scores.shape(-1);
+    const int64_t rows = n ? scores.size() / n : 0;
+    size_t next = 1;
+    const float* top = given_top_ ? inputs[next++].data<float>() : nullptr;
+    const float* mask = masked_ ? inputs[next].data<float>() : nullptr;
+    const int64_t mask_rows = masked_ ? inputs[next++].size() / std::max<int64_t>(n, 1) : 1;
+    const float* floor = floored_ ? inputs[next++].data<float>() : nullptr;
     auto& encoder = cpu::get_command_encoder(stream());
-    encoder.set_input_array(scores);
-    if (given_top_) encoder.set_input_array(inputs[1]);
-    encoder.set_output_array(weights);
-    encoder.set_output_array(sums);
-    encoder.dispatch([x = scores.data<float>(), top, w = weights.data<float>(), s = sums.data<float>(), rows, n]() {
+    for (auto& a : inputs) encoder.set_input_array(a);
+    for (auto& o : outputs) encoder.set_output_array(o);
+    encoder.dispatch([x = scores.data<float>(), top, mask, mask_rows, floor, w = outputs[0].data<float>(),
+                      s = outputs[1].data<float>(), t_out = outputs[2].data<float>(), rows, n]() {
       parallel_for(rows, 16 * n, [&](int64_t lo, int64_t hi) {
         for (int64_t i = lo; i < hi; ++i) {
           const float* xi = x + i * n;
           float* wi = w + i * n;
-          const float t = top ? top[i] : row_max(xi, static_cast<int>(n));
+          if (mask) {
+            const float* mi = mask + (i % mask_rows) * n;
+            for (int64_t j = 0; j < n; ++j) wi[j] = xi[j] + mi[j];
+            xi = wi;
+          }
+          float t;
+          if (top) {
+            t = top[i];
+          } else {
+            t = row_max(xi, static_cast<int>(n));
+            if (floor && floor[i] > t) t = floor[i];
+          }
           for (int64_t j = 0; j < n; ++j) wi[j] = exp_below(xi[j] - t);
           s[i] = row_sum(wi, static_cast<int>(n));
+          t_out[i] = t;
         }
       });
     });
@@ -555,31 +572,43 @@ class ExpRows : public Primitive {
   }
   const char* name() const override { return "KvarnExpRows"; }
   bool is_equivalent(const Primitive& other) const override {
-    return given_top_ == static_cast<const ExpRows&>(other).given_top_;
+    auto& o = static_cast<const ExpRows&>(other);
+    return given_top_ == o.given_top_ && masked_ == o.masked_ && floored_ == o.floored_;
   }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override {
     Shape sums = inputs[0].shape();
     sums.back() = 1;
-    return {inputs[0].shape(), sums};
+    return {inputs[0].shape(), sums, sums};
   }
 
  private:
-  bool given_top_;
+  bool given_top_, masked_, floored_;
 };
 
-std::vector<array> exp_rows(const array& scores, std::optional<array> top) {
+std::vector<array> exp_rows(const array& scores, std::optional<array> top, std::optional<array> mask,
+                            std::optional<array> floor) {
   auto s = to_stream(Device::cpu);
-  if (scores.dtype() != float32) throw std::invalid_argument("exp_rows takes float32 scores");
+  if (scores.dtype() != float32 || scores.ndim() == 0) throw std::invalid_argument("exp_rows takes float32 scores");
   std::vector<array> inputs = {scores};
   Shape sums = scores.shape();
   sums.back() = 1;
-  if (top) {
-    if (top->dtype() != float32 || top->size() * scores.shape(-1) != scores.size())
-      throw std::invalid_argument("exp_rows takes float32 tops, one a row of scores");
-    inputs.push_back(*top);
+  const int64_t n = scores.shape(-1), rows = n ? scores.size() / n : 0;
+  if (top && floor) throw std::invalid_argument("exp_rows takes a top or a floor, not both");
+  for (const auto* one : {&top, &floor}) {
+    if (*one && ((*one)->dtype() != float32 || (*one)->size() != static_cast<size_t>(rows)))
+      throw std::invalid_argument("exp_rows takes float32 tops and floors, one a row of scores");
   }
-  return array::make_arrays({scores.shape(), sums}, {float32, float32},
-                            std::make_shared<ExpRows>(s, top.has_value()), inputs);
+  if (top) inputs.push_back(*top);
+  if (mask) {
+    if (mask->dtype() != float32 || mask->ndim() != 2 || mask->shape(1) != n || mask->shape(0) < 1 ||
+        rows % mask->shape(0))
+      throw std::invalid_argument("exp_rows takes a float32 mask [m, n] whose m divides the rows of scores");
+    inputs.push_back(*mask);
+  }
+  if (floor) inputs.push_back(*floor);
+  return array::make_arrays({scores.shape(), sums, sums}, {float32, float32, float32},
+                            std::make_shared<ExpRows>(s, top.has_value(), mask.has_value(), floor.has_value()),
+                            inputs);
 }
 
 // One slice's butterflies, stage by stage as MLX's hadamard_n (x + y, x - y; the last stage's times
@@ -622,26 +651,68 @@ inline void hadamard_slice(float* d, const float* src, int64_t w, float scale) {
   if (h < w) butterflies_scaled(d, d + h, h, scale);  // the last stage: h = w / 2, one run
 }
 
+// n values rounded to float16 and widened back, in place: MLX's astype(float16) then astype(float32)
+// (MLX's conversion rounds to nearest even, overflows to infinity and makes every NaN its own NaN,
+// 0x7D00 with the sign; F16C's rounding is the same for every other value, and a group of 8 holding
+// a NaN takes MLX's conversion itself).
+inline void round_to_half(float* d, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(d + i);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    if (!_mm256_testz_ps(nan, nan)) {
+      for (int l = 0; l < 8; ++l) d[i + l] = static_cast<float>(static_cast<float16_t>(d[i + l]));
+      continue;
+    }
+    _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+  }
+#endif
+  for (; i < n; ++i) d[i] = static_cast<float>(static_cast<float16_t>(d[i]));
+}
+
 // ---------------------------------------------------------------------------------------------
-// Rotate: x [..., D] float32 -> x @ H along the last axis, H block-diagonal over slices of width w
-// (a power of two dividing D), normalized by ``scale``. Each slice takes MLX's radix-2 butterflies
-// stage by stage (x + y, x - y; the last stage's results times scale), in an order whose inner loop
-// is contiguous: every element sees the same operations as in MLX's kernel.
+// Rotate: x [..., D] float32 (any strides) -> x @ H along the last axis, H block-diagonal over slices
+// of width w (a power of two dividing D), normalized by ``scale``; with ``half``, every result then
+// rounded to float16 and widened back (a KVarN window's values: the contract's float16 rounding, the
+// bits of astype(float16).astype(float32) without MLX's two one-thread conversions). Each slice takes
+// MLX's radix-2 butterflies stage by stage (x + y, x - y; the last stage's results times scale), in
+// an order whose inner loop is contiguous: every element sees the same operations as in MLX's kernel.
+// A view whose last axis is contiguous (a model's keys, values and queries: [B, L, H, D] transposed)
+// is read in place, row by row, on every core.
 class Rotate : public UnaryPrimitive {
  public:
-  Rotate(Stream s, int width, float scale) : UnaryPrimitive(s), width_(width), scale_(scale) {}
+  Rotate(Stream s, int width, float scale, bool half) : UnaryPrimitive(s), width_(width), scale_(scale), half_(half) {}
 
   void eval_cpu(const std::vector<array>& given, array& out) override {
-    const std::vector<array> inputs = row_contiguous(given, stream());
-    const array& x = inputs[0];
+    const array& g = given[0];
+    const bool in_place = g.flags().row_contiguous || g.strides().back() == 1;
+    const array x = in_place ? g : row_contiguous(given, stream())[0];
     out.set_data(allocator::malloc(out.nbytes()));
     auto& encoder = cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_output_array(out);
-    const int64_t w = width_, slices = w ? x.size() / w : 0;
-    encoder.dispatch([src = x.data<float>(), dst = out.data<float>(), w, slices, scale = scale_]() {
-      parallel_for(slices, 8 * w, [&](int64_t lo, int64_t hi) {
-        for (int64_t i = lo; i < hi; ++i) hadamard_slice(dst + i * w, src + i * w, w, scale);
+    const int64_t D = x.ndim() ? x.shape(-1) : 1, rows = D ? x.size() / D : 0;
+    // each row's offset: row-major over the leading axes with the view's strides
+    Shape lead(x.shape().begin(), x.shape().end() - (x.ndim() ? 1 : 0));
+    Strides lead_strides(x.strides().begin(), x.strides().end() - (x.ndim() ? 1 : 0));
+    const bool contiguous = x.flags().row_contiguous;
+    encoder.dispatch([src = x.data<float>(), dst = out.data<float>(), w = int64_t(width_), D, rows, lead,
+                      lead_strides, contiguous, scale = scale_, half = half_]() {
+      parallel_for(rows, 8 * D, [&](int64_t lo, int64_t hi) {
+        for (int64_t r = lo; r < hi; ++r) {
+          int64_t at = r * D;
+          if (!contiguous) {
+            at = 0;
+            for (int64_t k = static_cast<int64_t>(lead.size()) - 1, rest = r; k >= 0; --k) {
+              at += (rest % lead[k]) * lead_strides[k];
+              rest /= lead[k];
+            }
+          }
+          float* o = dst + r * D;
+          for (int64_t c = 0; c < D; c += w) hadamard_slice(o + c, src + at + c, w, scale);
+          if (half) round_to_half(o, D);
+        }
       });
     });
   }
@@ -651,21 +722,22 @@ class Rotate : public UnaryPrimitive {
   const char* name() const override { return "KvarnRotate"; }
   bool is_equivalent(const Primitive& other) const override {
     auto& o = static_cast<const Rotate&>(other);
-    return width_ == o.width_ && scale_ == o.scale_;
+    return width_ == o.width_ && scale_ == o.scale_ && half_ == o.half_;
   }
   std::vector<Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
 
  private:
   int width_;
   float scale_;
+  bool half_;
 };
 
-array rotate(const array& x, int width, float scale) {
+array rotate(const array& x, int width, float scale, bool half) {
   auto s = to_stream(Device::cpu);
   if (x.dtype() != float32) throw std::invalid_argument("rotate takes float32");
   if (x.ndim() == 0 || width < 1 || (width & (width - 1)) || x.shape(-1) % width)
     throw std::invalid_argument("rotate takes a power-of-two width dividing the last axis");
-  return array(x.shape(), float32, std::make_shared<Rotate>(s, width, scale), {x});
+  return array(x.shape(), float32, std::make_shared<Rotate>(s, width, scale, half), {x});
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -946,9 +1018,11 @@ inline float clip(float x, float lo, float hi) {
 }
 
 // Sample std (float64) along rows (by_rows: of row i over its columns, column scales w) or
-// along columns, of m_ij * w, from the moments x = m, x2 = m^2.
-void moment_std(const double* x, const double* x2, int R, int C, const float* log_scale, bool by_rows, double* out,
-                double* w, double* w2) {
+// along columns, of m_ij * w, from the moments of x = m and x^2 (each widened to float64 and
+// squared here, in registers: the tile is read as float32, a quarter of the bytes of keeping both
+// moments in float64, and the same float64 operations).
+void moment_std(const float* m, int R, int C, const float* log_scale, bool by_rows, double* out, double* w,
+                double* w2, double* s1, double* s2) {
   const int n = by_rows ? C : R;
   for (int k = 0; k < n; ++k) {
     w[k] = mlx_exp(-static_cast<double>(log_scale[k]));
@@ -958,33 +1032,39 @@ void moment_std(const double* x, const double* x2, int R, int C, const float* lo
     constexpr int L = 8;
     for (int i = 0; i < R; ++i) {
       double a1[L] = {}, a2[L] = {};
-      const double* xi = x + static_cast<size_t>(i) * C;
-      const double* x2i = x2 + static_cast<size_t>(i) * C;
+      const float* mi = m + static_cast<size_t>(i) * C;
       int j = 0;
       for (; j + L <= C; j += L)
         for (int l = 0; l < L; ++l) {
-          a1[l] += xi[j + l] * w[j + l];
-          a2[l] += x2i[j + l] * w2[j + l];
+          const double x = mi[j + l];
+          a1[l] += x * w[j + l];
+          a2[l] += (x * x) * w2[j + l];
         }
-      double s1 = 0.0, s2 = 0.0;
+      double t1 = 0.0, t2 = 0.0;
       for (int l = 0; l < L; ++l) {
-        s1 += a1[l];
-        s2 += a2[l];
+        t1 += a1[l];
+        t2 += a2[l];
       }
       for (; j < C; ++j) {
-        s1 += xi[j] * w[j];
-        s2 += x2i[j] * w2[j];
+        const double x = mi[j];
+        t1 += x * w[j];
+        t2 += (x * x) * w2[j];
       }
-      const double var = (s2 - s1 * s1 / n) / (n - 1);
+      const double var = (t2 - t1 * t1 / n) / (n - 1);
       out[i] = std::sqrt(std::max(var, 0.0));
     }
   } else {
-    std::vector<double> s1(C, 0.0), s2(C, 0.0);
-    for (int i = 0; i < R; ++i)
+    std::fill(s1, s1 + C, 0.0);
+    std::fill(s2, s2 + C, 0.0);
+    for (int i = 0; i < R; ++i) {
+      const float* mi = m + static_cast<size_t>(i) * C;
+      const double wi = w[i], w2i = w2[i];
       for (int j = 0; j < C; ++j) {
-        s1[j] += w[i] * x[i * C + j];
-        s2[j] += w2[i] * x2[i * C + j];
+        const double x = mi[j];
+        s1[j] += wi * x;
+        s2[j] += w2i * (x * x);
       }
+    }
     for (int j = 0; j < C; ++j) {
       const double var = (s2[j] - s1[j] * s1[j] / n) / (n - 1);
       out[j] = std::sqrt(std::max(var, 0.0));
@@ -1006,15 +1086,10 @@ float imbalance(const float* col_std, int C, const float* row_std, int R) {
 
 // kvarn.quantize.normalize (the moments form): the best (log_row [R], log_col [C]) of iters steps
 void normalize(const float* m, int R, int C, int iters, float* best_row, float* best_col) {
-  std::vector<double> x(static_cast<size_t>(R) * C), x2(x.size()), w(std::max(R, C)), w2(w.size()), col64(C),
-      row64(R), unscaled(R);
-  for (size_t k = 0; k < x.size(); ++k) {
-    x[k] = m[k];
-    x2[k] = x[k] * x[k];
-  }
+  std::vector<double> w(std::max(R, C)), w2(w.size()), col64(C), row64(R), unscaled(R), s1(C), s2(C);
   std::vector<float> log_row(R, 0.0f), log_col(C, 0.0f), col_std(C), row_std(R);
-  moment_std(x.data(), x2.data(), R, C, log_row.data(), false, col64.data(), w.data(), w2.data());
-  moment_std(x.data(), x2.data(), R, C, log_col.data(), true, row64.data(), w.data(), w2.data());
+  moment_std(m, R, C, log_row.data(), false, col64.data(), w.data(), w2.data(), s1.data(), s2.data());
+  moment_std(m, R, C, log_col.data(), true, row64.data(), w.data(), w2.data(), s1.data(), s2.data());
   for (int j = 0; j < C; ++j) col_std[j] = static_cast<float>(col64[j]);
   for (int i = 0; i < R; ++i) row_std[i] = static_cast<float>(row64[i]);
   float best = imbalance(col_std.data(), C, row_std.data(), R);
@@ -1022,12 +1097,12 @@ void normalize(const float* m, int R, int C, int iters, float* best_row, float* 
   std::copy(log_col.begin(), log_col.end(), best_col);
   for (int it = 0; it < iters; ++it) {
     for (int j = 0; j < C; ++j) log_col[j] = clip(log_col[j] + mlx_log(clip(col_std[j], STD_MIN, STD_MAX)), LOG_MIN, LOG_MAX);
-    moment_std(x.data(), x2.data(), R, C, log_col.data(), true, unscaled.data(), w.data(), w2.data());
+    moment_std(m, R, C, log_col.data(), true, unscaled.data(), w.data(), w2.data(), s1.data(), s2.data());
     for (int i = 0; i < R; ++i) {
       const float std = static_cast<float>(unscaled[i] / mlx_exp(static_cast<double>(log_row[i])));
       log_row[i] = clip(log_row[i] + mlx_log(clip(std, STD_MIN, STD_MAX)), LOG_MIN, LOG_MAX);
     }
-    moment_std(x.data(), x2.data(), R, C, log_row.data(), false, col64.data(), w.data(), w2.data());
+    moment_std(m, R, C, log_row.data(), false, col64.data(), w.data(), w2.data(), s1.data(), s2.data());
     for (int j = 0; j < C; ++j) col_std[j] = static_cast<float>(col64[j] / mlx_exp(static_cast<double>(log_col[j])));
     for (int i = 0; i < R; ++i) row_std[i] = static_cast<float>(unscaled[i] / mlx_exp(static_cast<double>(log_row[i])));
     const float imb = imbalance(col_std.data(), C, row_std.data(), R);
@@ -1262,10 +1337,13 @@ std::vector<array> dequantize_records(const array& table, const array& k_codes, 
 
 NB_MODULE(_kvarn_cpu, m) {
   m.doc() = "KVarN's CPU kernels (metal/cpu/src/kvarn_cpu.cpp)";
-  m.def("exp_rows", &exp_rows, nb::arg("scores"), nb::arg("top") = nb::none(),
-        "(exp(scores - top), row sums) for float32 scores [..., n]; top [..., 1] (default: each row's max)");
-  m.def("rotate", &rotate, nb::arg("x"), nb::arg("width"), nb::arg("scale"),
-        "x @ H (float32) along the last axis, H the normalized Hadamard matrix block-diagonal over width");
+  m.def("exp_rows", &exp_rows, nb::arg("scores"), nb::arg("top") = nb::none(), nb::arg("mask") = nb::none(),
+        nb::arg("floor") = nb::none(),
+        "(exp(x - top), row sums, top) for float32 x = scores [..., n] (+ mask [m, n]); top [..., 1] given, "
+        "or each row's max of x (at least floor)");
+  m.def("rotate", &rotate, nb::arg("x"), nb::arg("width"), nb::arg("scale"), nb::arg("half") = false,
+        "x @ H (float32) along the last axis, H the normalized Hadamard matrix block-diagonal over width; "
+        "half: each result rounded to float16 and widened back");
   m.def("rope", &rope, nb::arg("x"), nb::arg("offset"), nb::arg("dims"), nb::arg("base"), nb::arg("scale"),
         "mx.fast.rope(x, dims, traditional=False, base=base, scale=scale, offset=offset) for float32 [B, N, T, D]");
   m.def("rows_matmul", &rows_matmul_of, nb::arg("x"), nb::arg("w"),
