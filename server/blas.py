@@ -1,6 +1,6 @@
 """Use OpenBLAS on Linux when it is installed: MLX's Linux CPU wheel links a reference BLAS.
 
-Preloading Debian's ``libopenblas0-pthread`` made float32 matrix products ~48x faster here
+Preloading Debian's ``libopenblas0-pthread`` made float32 prompt products ~50x faster here
 (docs/benchmarks.md). The library must be preloaded before MLX is imported, so the ``kvarn``
 command re-executes itself once with ``LD_PRELOAD`` set. ``--no-openblas`` or
 ``KVARN_NO_OPENBLAS=1`` turns this off.

@@ -630,12 +630,28 @@ inline void butterflies_scaled(float* __restrict a, float* __restrict b, int64_t
   }
 }
 
+#if defined(__AVX2__)
+// One in-register stage of 8 values: element i and its partner i ^ s (swapped), x + y where i is
+// the pair's first (x = v[i], y its partner), x - y where it is the second (x the partner).
+template <int BLEND>
+inline __m256 stage8(__m256 v, __m256 swapped) {
+  return _mm256_blend_ps(_mm256_add_ps(v, swapped), _mm256_sub_ps(swapped, v), BLEND);
+}
+#endif
+
 inline void hadamard_slice(float* d, const float* src, int64_t w, float scale) {
-  std::memcpy(d, src, sizeof(float) * w);
   int64_t h = 1;
   if (w >= 16) {  // stages 1, 2, 4 inside each group of 8 (none of them the last)
     for (int64_t g = 0; g < w; g += 8) {
+#if defined(__AVX2__)
+      __m256 v = _mm256_loadu_ps(src + g);
+      v = stage8<0b10101010>(v, _mm256_permute_ps(v, 0b10110001));
+      v = stage8<0b11001100>(v, _mm256_permute_ps(v, 0b01001110));
+      v = stage8<0b11110000>(v, _mm256_permute2f128_ps(v, v, 1));
+      _mm256_storeu_ps(d + g, v);
+#else
       float* v = d + g;
+      std::memcpy(v, src + g, sizeof(float) * 8);
       for (int64_t s = 1; s < 8; s <<= 1)
         for (int64_t base = 0; base < 8; base += 2 * s)
           for (int64_t t = 0; t < s; ++t) {
@@ -643,8 +659,11 @@ inline void hadamard_slice(float* d, const float* src, int64_t w, float scale) {
             v[base + t] = x + y;
             v[base + t + s] = x - y;
           }
+#endif
     }
     h = 8;
+  } else {
+    std::memcpy(d, src, sizeof(float) * w);
   }
   for (; 2 * h < w; h <<= 1)
     for (int64_t base = 0; base < w; base += 2 * h) butterflies(d + base, d + base + h, h);
