@@ -217,33 +217,40 @@ class DecodeWeight:
         self.array = array
 
 
-_ROWS_MATMUL: dict[tuple[type, Any], type] = {}  # by the class it extends and the kernels it calls
-
-
 def _rows_matmul_class(cls: type, kernels: Any) -> type:
-    made = _ROWS_MATMUL.get((cls, kernels))
-    if made is not None:
-        return made
-
     def few_rows(x: mx.array) -> bool:
         return x.dtype == mx.float32 and x.ndim > 0 and 0 < x.size <= MAX_ROWS * x.shape[-1]
 
-    if cls is nn.Linear:
-        def __call__(self: Any, x: mx.array) -> mx.array:
-            if not few_rows(x) or self.weight.dtype != mx.float32:
-                return nn.Linear.__call__(self, x)
-            y = kernels.rows_matmul(x, self.decode_weight.array)
-            return y + self.bias if "bias" in self else y
+    def body() -> dict[str, Any]:
+        if cls is nn.Linear:
+            def __call__(self: Any, x: mx.array) -> mx.array:
+                if not few_rows(x) or self.weight.dtype != mx.float32:
+                    return nn.Linear.__call__(self, x)
+                y = kernels.rows_matmul(x, self.decode_weight.array)
+                return y + self.bias if "bias" in self else y
 
-        body = {"__call__": __call__}
-    else:
+            return {"__call__": __call__}
+
         def as_linear(self: Any, x: mx.array) -> mx.array:
             if not few_rows(x) or self.weight.dtype != mx.float32:
                 return nn.Embedding.as_linear(self, x)
             return kernels.rows_matmul(x, self.decode_weight.array)
 
-        body = {"as_linear": as_linear}
-    made = _ROWS_MATMUL[(cls, kernels)] = type(f"CpuRows{cls.__name__}", (cls,), body)
+        return {"as_linear": as_linear}
+
+    return _kernel_class("CpuRows", cls, kernels, body)
+
+
+_KERNEL_CLASSES: dict[tuple[str, type, Any], type] = {}  # by name, the class it extends and the kernels it calls
+
+
+def _kernel_class(name: str, cls: type, kernels: Any, body: Callable[[], dict[str, Any]]) -> type:
+    """``cls`` with ``body()``'s methods, named ``name + cls.__name__``: made once per name, class
+    and kernels, so every module of one class shares one class (a model's layers, several models)."""
+    key = (name, cls, kernels)
+    made = _KERNEL_CLASSES.get(key)
+    if made is None:
+        made = _KERNEL_CLASSES[key] = type(f"{name}{cls.__name__}", (cls,), body())
     return made
 
 
@@ -281,20 +288,14 @@ class _SwiGLUMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-_CPU_SWIGLU: dict[tuple[type, Any], type] = {}  # by the class it extends and the kernels it calls
-
-
 def _cpu_swiglu_class(cls: type, kernels: Any) -> type:
-    made = _CPU_SWIGLU.get((cls, kernels))
-    if made is None:
-        def __call__(self: Any, x: mx.array) -> mx.array:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-            if gate.dtype != mx.float32 or up.dtype != mx.float32 or gate.shape != up.shape:
-                return self.down_proj(swiglu(gate, up))
-            return self.down_proj(kernels.swiglu(gate, up))
+    def __call__(self: Any, x: mx.array) -> mx.array:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype != mx.float32 or up.dtype != mx.float32 or gate.shape != up.shape:
+            return self.down_proj(swiglu(gate, up))
+        return self.down_proj(kernels.swiglu(gate, up))
 
-        made = _CPU_SWIGLU[(cls, kernels)] = type(f"CpuSwiGLU{cls.__name__}", (cls,), {"__call__": __call__})
-    return made
+    return _kernel_class("CpuSwiGLU", cls, kernels, lambda: {"__call__": __call__})
 
 
 def use_cpu_rope(model: nn.Module) -> int:
