@@ -13,7 +13,9 @@ runs (mlx-lm as ``mlx_lm.generate_step`` does; the engine's own loop: ``Engine.s
 ``-async`` arms its ``async_scheduling``), and for the engine's arms the host milliseconds a step
 in each of its phases (``Phases``).
 ``--profile N``: after the warm steps, N steps inside ``cudaProfilerStart/Stop`` (ncu then
-measures those steps' kernels only: ``--profile-from-start off``). ``--summarize CSV``: ncu's
+measures those steps' kernels only: ``--profile-from-start off``). ``--prefill-again N``: after
+the steps, the rows' prompts prefilled N more times (new prompts, every graph already built), each
+timed; with ``--profile-prefill`` the last of them is the profiled range. ``--summarize CSV``: ncu's
 per-kernel durations grouped by kernel, per step. The model is ``bench/device_engine.py``'s
 (random weights; ``--layers 2 --hidden 512 --intermediate 1024 --depth 256`` shrink it on a CPU).
 """
@@ -101,15 +103,24 @@ class EngineArm:
         cfg = SchedulerConfig(max_num_seqs=rows + 1, max_num_batched_tokens=chunk + rows + 1, prefill_chunk_size=chunk,
                               async_scheduling=run_ahead)
         self.engine = make_engine(loaded, cfg, arm_config(base), ApcConfig(enabled=False))
-        rng = random.Random(3)
-        self.requests = [Request(RequestId(f"r{i}"), _prompt(rng, depth, loaded.vocab_size),
+        self.loaded, self.depth, self.rows = loaded, depth, rows
+        self.prefill(seed=3)
+        self.phases = Phases(self.engine)
+
+    def prefill(self, seed: int) -> float:
+        """Submit the rows' prompts (made from ``seed``) and step until each has its first token;
+        the seconds that took."""
+        rng = random.Random(seed)
+        self.requests = [Request(RequestId(f"s{seed}r{i}"), _prompt(rng, self.depth, self.loaded.vocab_size),
                                  SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True))
-                         for i in range(rows)]
+                         for i in range(self.rows)]
+        t = time.perf_counter()
         for request in self.requests:
             self.engine.add_request(request)
         while not all(r.output_ids for r in self.requests):
             self.engine.step()
-        self.phases = Phases(self.engine)
+        mx.synchronize()
+        return time.perf_counter() - t
 
     def step(self) -> None:
         self.engine.step()  # reads the token back (the engine's loop)
@@ -186,7 +197,7 @@ def run_arm(loaded, arm: str, args, profiler) -> dict:
            "step_ms_pipelined": round(1e3 * pipelined, 3)}
     if phases is not None:  # where the engine's host time went in the back-to-back steps
         out["host_ms_per_step"] = phases.per_step(args.timed + 1)
-    if args.profile:
+    if args.profile and not args.profile_prefill:
         mx.synchronize()
         if profiler is not None:
             profiler[0]()
@@ -197,6 +208,19 @@ def run_arm(loaded, arm: str, args, profiler) -> dict:
             profiler[1]()
         out["profiled_steps"] = args.profile
     a.done()
+    if args.prefill_again and isinstance(a, EngineArm):
+        # the same rows' prefill again, new prompts, every graph already built (inside the profiler's
+        # range with --profile-prefill)
+        times = []
+        for i in range(args.prefill_again):
+            last = args.profile_prefill and i == args.prefill_again - 1
+            if last and profiler is not None:
+                profiler[0]()
+            times.append(a.prefill(seed=10 + i))
+            if last and profiler is not None:
+                profiler[1]()
+            a.done()
+        out["prefill_again_s"] = [round(t, 4) for t in times]
     log(f"{arm}: {out}")
     return out
 
@@ -231,6 +255,12 @@ def main() -> int:
     p.add_argument("--warm", type=int, default=8)
     p.add_argument("--timed", type=int, default=20)
     p.add_argument("--profile", type=int, default=0, metavar="STEPS")
+    p.add_argument("--prefill-again", type=int, default=0, metavar="N",
+                   help="after the steps, the rows' prefill N more times with new prompts (timed)")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="with --prefill-again: the last prefill inside the profiler's range (not the decode steps)")
+    p.add_argument("--rotate", choices=("auto", "reference"), default="auto",
+                   help="KVarN's rotations: the rotation kernel where it passes its check (auto), or MLX's operations")
     p.add_argument("--summarize", metavar="CSV")
     p.add_argument("--steps", type=int, default=2, help="with --summarize: the steps the CSV holds")
     p.add_argument("--out")
@@ -245,9 +275,12 @@ def main() -> int:
             print(f"{k['us_per_step']:9.1f} us  x{k['launches_per_step']:5.1f}  {k['kernel']}")
         print(f"total {report['gpu_us_per_step']} us a step over {report['launches_per_step']} launches")
     else:
+        if args.rotate == "reference":
+            from metal import KERNELS
+            KERNELS.pin_rotate_path("reference")
         loaded, weights = build_model(args, Recorder())
-        profiler = cuda_profiler() if args.profile else None
-        report = {"environment": environment(), "weights_bytes": weights,
+        profiler = cuda_profiler() if args.profile or args.profile_prefill else None
+        report = {"environment": environment(), "weights_bytes": weights, "rotate": args.rotate,
                   "arms": [run_arm(loaded, arm, args, profiler) for arm in args.arms.split(",")]}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

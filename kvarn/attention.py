@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from kvarn import cpu_attention
 from kvarn.pool import RECORD_FIELDS, dequantize_blocks
-from kvarn.quantize import rotate
+from kvarn.quantize import rotate, rotate_to
 from kvarn.step_context import StepContext
 from metal import KERNELS
 from metal.selector import FUSED
@@ -82,14 +82,14 @@ def _dequantized_attention(queries: mx.array, a: Any, index: Any, layout: Any, s
         gathered = {name: a.records[name][index.table] for name in RECORD_FIELDS}
         rec_k, rec_v = dequantize_blocks(gathered, layout, dtype)
         keys, vals = mx.concatenate([keys, rec_k], axis=2), mx.concatenate([vals, rec_v], axis=2)
-    q = rotate(queries.astype(mx.float32)).astype(dtype)
+    q = rotate_to(queries, dtype)
     mask = index.mask
     if mask.shape[2] > 1:  # per query row of a KV head [B, 1, R, cols] (several positions a row) -> per head
         B, n_q = queries.shape[:2]
         H = keys.shape[1]
         mask = mx.broadcast_to(mask[:, :, :, None], (B, H, n_q // H, 1, mask.shape[-1])).reshape(B, n_q, 1, -1)
     out = mx.fast.scaled_dot_product_attention(q, keys, vals, scale=scale, mask=mask)
-    return rotate(out.astype(mx.float32)).astype(queries.dtype)
+    return rotate_to(out, queries.dtype)
 
 
 def reads_codes_directly() -> bool:
@@ -269,7 +269,7 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
     float32 chunks attend through ``kvarn.cpu_attention`` (a vectorized exp).
     """
     start, end = chunk.start, chunk.start + queries.shape[2]
-    q = rotate(queries.astype(mx.float32)).astype(queries.dtype)
+    q = rotate_to(queries, queries.dtype)
     parts_k, parts_v = [sink_k], [sink_v]
     num_records = 0
     if rec_k is not None:
@@ -303,7 +303,7 @@ def chunk_attention_over(queries: mx.array, sink_k: mx.array, sink_v: mx.array, 
                                              G=G, scale=scale)
     else:
         out = cpu_attention.attention(q, keys, values, scale, mask)
-    return rotate(out.astype(mx.float32)).astype(queries.dtype)
+    return rotate_to(out, queries.dtype)
 
 
 def chunk_view_mask(start: int, end: int, sink_len: int, num_records: int, window_start: int, G: int,

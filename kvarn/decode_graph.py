@@ -45,7 +45,7 @@ from kvarn.attention import decode_attention_over, fused_attention
 from kvarn.step_context import step_of
 from kvarn.layout import KVLayout
 from kvarn.pool import PAD, RECORD_FIELDS, STORE_DTYPE, LayerArrays, quantize_window_tails
-from kvarn.quantize import rotate
+from kvarn.quantize import rotate, rotate_pair_to, rotate_to
 from metal import KERNELS
 from metal.paged_plan import DecodePlan as KernelPlan
 from metal.paged_plan import static_plan, static_splits
@@ -105,8 +105,16 @@ def rounded(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """Keys or values rotated and rounded to float16 (the contract), held in the window's dtype."""
     if dtype == mx.float32:  # the CPU's windows: rounded in the rotation's pass
         return rotate(x.astype(mx.float32), half=True)
-    out = rotate(x.astype(mx.float32)).astype(STORE_DTYPE)
+    out = rotate_to(x, STORE_DTYPE)
     return out if dtype == STORE_DTYPE else out.astype(dtype)
+
+
+def rounded_pair(keys: mx.array, values: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``rounded(concatenate([keys, values]), dtype)`` ([2B, ...]: keys then values); on the GPU one
+    launch (``kvarn.quantize.rotate_pair_to``), with no concatenation."""
+    if dtype == STORE_DTYPE and keys.shape == values.shape:
+        return rotate_pair_to(keys, values, STORE_DTYPE)
+    return rounded(mx.concatenate([keys, values]), dtype)
 
 
 @dataclass(frozen=True)
@@ -426,7 +434,7 @@ class PagedStepLayer:
         _, H, _, D = keys.shape
         rows = write_rows(self.inputs, self.static, H)
         shape, n = a.win_k.shape, keys.shape[0]
-        both = rounded(mx.concatenate([keys, values]), a.win_k.dtype)  # one rotation for both: fewer launches a layer
+        both = rounded_pair(keys, values, a.win_k.dtype)  # one rotation for both: fewer launches a layer
         for name, x in (("win_k", both[:n]), ("win_v", both[n:])):
             flat = getattr(a, name).reshape(-1, D)
             flat[rows] = x.reshape(-1, D)

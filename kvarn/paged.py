@@ -33,7 +33,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from kvarn.attention import Chunk, attention_dtype, chunk_attention_over
 from kvarn.step_context import step_of
 from kvarn.batch import BatchRows
-from kvarn.decode_graph import PagedStepLayer, decode_step, decode_write, rounded
+from kvarn.decode_graph import PagedStepLayer, decode_step, decode_write, rounded, rounded_pair
 from kvarn.layout import KVLayout
 from kvarn.pool import RECORD_FIELDS, STORE_DTYPE, KVarNPool, block_nbytes, dequantize_blocks, quantize_blocks, \
     record_shapes
@@ -309,7 +309,11 @@ class PagedLayer(_BaseCache):
         _, H, _, D = keys.shape
         self.row.pool.ensure_layer(self.l, H, D)
         dtype = self.row.pool.window_dtype  # float16 values (held as float32 on the CPU)
-        k_rot, v_rot = rounded(keys, dtype), rounded(values, dtype)
+        if dtype == STORE_DTYPE:  # a GPU's float16 windows: one rotation for both (one launch with its kernel)
+            both = rounded_pair(keys, values, dtype)
+            k_rot, v_rot = both[: keys.shape[0]], both[keys.shape[0]:]
+        else:  # the CPU's: each rounded in its rotation's pass, read in place
+            k_rot, v_rot = rounded(keys, dtype), rounded(values, dtype)
         used = 0
         if start < G:
             used = min(G - start, L)

@@ -53,6 +53,29 @@ def rotate(x: mx.array, *, half: bool = False) -> mx.array:
     return out.astype(mx.float16).astype(mx.float32) if half else out
 
 
+def rotate_to(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``rotate(x.astype(float32)).astype(dtype)``, the same bits: where the GPU's rotation kernel
+    runs (``metal.KERNELS.rotate``) one launch reading ``x`` in place, else MLX's operations."""
+    kernel = KERNELS.rotate()
+    if kernel is not None and _kernel_takes(x, dtype):
+        return kernel.cast(x, dtype)
+    return rotate(x.astype(mx.float32)).astype(dtype)
+
+
+def rotate_pair_to(x: mx.array, y: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``rotate_to(concatenate([x, y]), dtype)`` ([2n, ...]: a step's keys then values); on the GPU
+    one launch and no concatenation."""
+    kernel = KERNELS.rotate()
+    if kernel is not None and x.shape == y.shape and x.dtype == y.dtype and _kernel_takes(x, dtype):
+        return kernel.pair(x, y, dtype)
+    return rotate_to(mx.concatenate([x, y]), dtype)
+
+
+def _kernel_takes(x: mx.array, dtype: mx.Dtype) -> bool:
+    from metal.cuda.rotate import is_supported  # CUDA only: imported once a kernel verdict exists
+    return is_supported(x, dtype)
+
+
 def _std(m: mx.array, axis: int) -> mx.array:
     return mx.sqrt(mx.var(m, axis=axis, ddof=1))
 

@@ -9,6 +9,7 @@ reference, with one logged warning per kind of kernel. A verdict never changes a
     paged_decode     ()                                           cuda-fused | metal-fused | reference
     commit           (head_dim, tile_size, key_bits, value_bits, iters)   cuda-fused | metal-fused | cpu-native | reference
     ragged_decode    ()                                           cuda-fused | reference
+    rotate           ()                                           cuda-fused | reference
     cpu              ()                                           cpu-native | reference
 
 The CPU's kernels (``metal.cpu``: KVarN's decode attention, the softmax's exp) are one verdict:
@@ -49,6 +50,14 @@ KERNEL_COMMITS = (*FUSED, CPU_NATIVE)  # commit verdicts that run one kernel, no
 REFERENCE = "reference"
 
 
+class RotateKernel(NamedTuple):
+    """The rotation kernel's entry points, with ``metal.cuda.rotate``'s signatures: ``cast(x, dtype)``
+    and ``pair(x, y, dtype)``."""
+
+    cast: Callable[..., mx.array]
+    pair: Callable[..., mx.array]
+
+
 class CommitKernel(NamedTuple):
     """The fused commit's two entry points, with ``metal.cuda.commit``'s signatures."""
 
@@ -71,6 +80,7 @@ class Backend:
     ragged_decode: Callable[..., mx.array] | None = None
     ragged_decode_supported: Callable[..., bool] | None = None
     ragged_plan: Callable | None = None
+    rotate: RotateKernel | None = None
 
 
 def cpu_backend(kernels: CpuKernels) -> Backend:
@@ -81,10 +91,11 @@ def cpu_backend(kernels: CpuKernels) -> Backend:
 
 
 def cuda_backend() -> Backend:
-    from metal.cuda import commit, paged_decode, ragged_decode
+    from metal.cuda import commit, paged_decode, ragged_decode, rotate
     return Backend("CUDA", "cuda-fused", paged_decode.paged_decode_attention, paged_decode.is_supported,
                    CommitKernel(commit.quantize_tiles, commit.quantize_window_tails), commit.is_supported,
-                   ragged_decode.ragged_decode_attention, ragged_decode.is_supported, ragged_decode.make_plan)
+                   ragged_decode.ragged_decode_attention, ragged_decode.is_supported, ragged_decode.make_plan,
+                   RotateKernel(rotate.rotate_cast, rotate.rotate_pair))
 
 
 def metal_backend() -> Backend:
@@ -280,6 +291,39 @@ class Kernels:
     def decided_ragged_decode_path(self) -> str | None:
         return self._decided("ragged_decode")
 
+    # ---- KVarN's rotation (GPU) ----
+    def rotate(self) -> RotateKernel | None:
+        """The rotation kernel (``metal.cuda.rotate``: one launch for a cast, the transform and a
+        cast, MLX's bits) where this backend has it and it gives MLX's bits here
+        (``rotate_mismatch_cuda``, checked once); else None: the caller runs MLX's operations."""
+        key = ("rotate",)
+        if key not in self._decisions:
+            b = self.backend
+            if b is None or b.rotate is None:
+                decision = REFERENCE, None  # nothing to warn about: MLX's operations are the rotation
+            else:
+                try:
+                    ok = rotate_mismatch_cuda(b.rotate) == 0.0
+                    decision = (b.verdict, None) if ok else (REFERENCE, (
+                        "kvarn: the %s rotation kernel is off MLX's bits; rotations run MLX's operations", b.name))
+                except Exception as exc:  # noqa: BLE001 (a kernel that raises is not used)
+                    decision = REFERENCE, ("kvarn: the %s rotation kernel failed its self-check (%s); rotations run "
+                                           "MLX's operations", b.name, exc)
+            self._settle(key, *decision)
+        return self.backend.rotate if self._decisions[key].path in FUSED else None
+
+    def decided_rotate_path(self) -> str | None:
+        return self._decided("rotate")
+
+    def pin_rotate_path(self, path: str) -> None:
+        """Fix the rotation's verdict without a self-check: "reference" (MLX's operations), or this
+        backend's fused verdict where it has the kernel (benchmarks compare both). ValueError else."""
+        b = self.backend
+        allowed = {REFERENCE} | ({b.verdict} if b is not None and b.rotate is not None else set())
+        if path not in allowed:
+            raise ValueError(f"rotation path {path!r}: this backend gives one of {sorted(allowed)}")
+        self._decisions[("rotate",)] = Decision(path, False)
+
     # ---- the CPU's kernels ----
     def cpu(self) -> CpuKernels | None:
         """KVarN's CPU kernels (``metal.cpu.kernels.CpuKernels``) where MLX runs on the CPU and
@@ -407,6 +451,37 @@ def rotate_mismatch(kernels: CpuKernels) -> float:
             if not mx.array_equal(kernels.rotate(view, width), want).item():
                 return float("inf")
             if not mx.array_equal(kernels.rotate(view, width, half=True), want.astype(mx.float16).astype(mx.float32)).item():
+                return float("inf")
+    return 0.0
+
+
+def rotate_mismatch_cuda(kernel: RotateKernel | None = None) -> float:
+    """0.0 where the rotation kernel (``metal.cuda.rotate``'s by default) gives the bits of MLX's
+    ``hadamard_transform`` in float32 and its casts (inputs and outputs of each float dtype,
+    slices of 128 and 64 channels, two slices a head, a transposed view, a pair, values past
+    float16's range), else infinity: windows and records must not depend on which one rotated."""
+    if kernel is None:
+        from metal.cuda import rotate
+        kernel = RotateKernel(rotate.rotate_cast, rotate.rotate_pair)
+
+    def want(x: mx.array, dtype: mx.Dtype) -> mx.array:
+        W = min(x.shape[-1], 128)
+        f = x.astype(mx.float32)
+        return mx.hadamard_transform(f.reshape(*f.shape[:-1], x.shape[-1] // W, W)).reshape(f.shape).astype(dtype)
+
+    k1, k2 = mx.random.split(mx.random.key(31))
+    base = mx.random.normal((2, 5, 4, 256), key=k1) * mx.linspace(0.1, 30.0, 256)
+    base = mx.concatenate([base, base[:1] * 3000.0])  # past float16's range once rotated
+    other = mx.random.normal((3, 5, 4, 256), key=k2)
+    for D in (256, 128, 64):
+        x, y = base[..., :D].transpose(0, 2, 1, 3), other[..., :D].transpose(0, 2, 1, 3)  # views, as a model's keys
+        for dt_in, dt_out in ((mx.bfloat16, mx.float16), (mx.float32, mx.float16), (mx.bfloat16, mx.bfloat16),
+                              (mx.float16, mx.float32)):
+            a, b = x.astype(dt_in), y.astype(dt_in)
+            if not mx.array_equal(kernel.cast(a, dt_out), want(a, dt_out), equal_nan=True).item():
+                return float("inf")
+            if not mx.array_equal(kernel.pair(a, b, dt_out), want(mx.concatenate([a, b]), dt_out),
+                                  equal_nan=True).item():
                 return float("inf")
     return 0.0
 

@@ -190,7 +190,12 @@ def build(name: str, header: str, source: str, inputs: list[tuple[str, object]],
           template: list[tuple[str, object]]) -> ctypes.CDLL:
     """Compile one specialization; ``inputs``/``outputs``: (name, numpy dtype or "bfloat16");
     ``template``: (name, int or numpy dtype or "bfloat16")."""
-    params = [f"const {_ctype(t)}* {n}" for n, t in inputs] + [f"{_ctype(t)}* {n}" for n, t in outputs]
+    params = []
+    for n, t in inputs:  # as MLX: an input's shape and strides follow it where the body reads them
+        params.append(f"const {_ctype(t)}* {n}")
+        params += [f"const {c}* {n}_{what}" for what, c in (("shape", "int32_t"), ("strides", "int64_t"))
+                   if f"{n}_{what}" in source]
+    params += [f"{_ctype(t)}* {n}" for n, t in outputs]
     consts = "".join(f"  constexpr int {n} = {v};\n" if isinstance(v, int) else f"  using {n} = {_ctype(v)};\n"
                      for n, v in template)
     body = source.replace("extern __shared__ __align__(16) unsigned char smem_raw[];",
@@ -294,10 +299,21 @@ def _dt(a):
                                                  mx.int32: np.int32, mx.uint32: np.uint32}[a])
 
 
+def shape_arrays(source: str, name: str, a: np.ndarray, strides: tuple[int, ...] | None = None) -> list[np.ndarray]:
+    """The ``<name>_shape`` (int32) and ``<name>_strides`` (int64, elements) arguments MLX passes
+    after input ``name`` where the body reads them: ``a``'s own, or ``strides`` given (a view)."""
+    out = []
+    if f"{name}_shape" in source:
+        out.append(np.array(a.shape, np.int32))
+    if f"{name}_strides" in source:
+        out.append(np.array(strides if strides is not None else [s // a.itemsize for s in a.strides], np.int64))
+    return out
+
+
 def run_launch(call) -> list:
     """Run a ``metal.cuda.paged_decode.Launch`` through the emulator; returns the outputs as numpy arrays."""
     import mlx.core as mx
-    ins = [_np(a) for a in call.inputs]
+    ins = [x for n, a in zip(call.input_names, call.inputs) for x in [_np(a), *shape_arrays(call.source, n, _np(a))]]
     outs = [np.full(s, 0xFFFF, np.uint16) if d == mx.bfloat16 else np.full(s, np.nan, _dt(d))
             for s, d in zip(call.output_shapes, call.output_dtypes)]  # poisoned: every element must be written
     template = [(n, v if isinstance(v, int) else _dt(v)) for n, v in call.template]

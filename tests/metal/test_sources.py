@@ -14,6 +14,7 @@ import pytest
 from metal import sources
 
 CUDA_PAGED, CUDA_COMMIT, CUDA_RAGGED = "metal.cuda.paged_decode", "metal.cuda.commit", "metal.cuda.ragged_decode"
+CUDA_ROTATE = "metal.cuda.rotate"
 MSL_PAGED, MSL_COMMIT = "metal.msl.paged_decode", "metal.msl.commit"
 
 # backend -> {source file: (module, the constant that holds its text)}
@@ -30,6 +31,8 @@ FILES = {
         "ragged_decode.cuh": (CUDA_RAGGED, "HEADER"),
         "ragged_decode.cu": (CUDA_RAGGED, "ATTENTION_SOURCE"),
         "ragged_decode_combine.cu": (CUDA_RAGGED, "COMBINE_SOURCE"),
+        "rotate.cuh": (CUDA_ROTATE, "HEADER"),
+        "rotate.cu": (CUDA_ROTATE, "SOURCE"),
     },
     "msl": {
         "paged_decode.h": (MSL_PAGED, "HEADER"),
@@ -53,6 +56,7 @@ KERNELS = [
     (CUDA_COMMIT, "KERNEL_TEXT", COMMIT_IO, "kc_matrix"),
     (CUDA_RAGGED, "_ATTENTION_TEXT", ATTENTION_IO, "rd_unpack"),
     (CUDA_RAGGED, "_COMBINE_TEXT", COMBINE_IO, "rd_store"),
+    (CUDA_ROTATE, "KERNEL_TEXT", ("INPUTS", "OUTPUTS"), "rt_store"),
     (MSL_PAGED, "_ATTENTION_TEXT", ATTENTION_IO, "kv_code"),
     (MSL_PAGED, "_COMBINE_TEXT", COMBINE_IO, None),
     (MSL_COMMIT, "KERNEL_TEXT", COMMIT_IO, "kc_matrix"),
