@@ -10,6 +10,7 @@ is G tokens x W channels (W = 128-channel slice, or the whole head when head_dim
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
@@ -56,8 +57,8 @@ def rotate(x: mx.array, *, half: bool = False) -> mx.array:
 def rotate_to(x: mx.array, dtype: mx.Dtype) -> mx.array:
     """``rotate(x.astype(float32)).astype(dtype)``, the same bits: where the GPU's rotation kernel
     runs (``metal.KERNELS.rotate``) one launch reading ``x`` in place, else MLX's operations."""
-    kernel = KERNELS.rotate()
-    if kernel is not None and _kernel_takes(x, dtype):
+    kernel = _rotation_kernel(x, dtype)
+    if kernel is not None:
         return kernel.cast(x, dtype)
     return rotate(x.astype(mx.float32)).astype(dtype)
 
@@ -65,15 +66,20 @@ def rotate_to(x: mx.array, dtype: mx.Dtype) -> mx.array:
 def rotate_pair_to(x: mx.array, y: mx.array, dtype: mx.Dtype) -> mx.array:
     """``rotate_to(concatenate([x, y]), dtype)`` ([2n, ...]: a step's keys then values); on the GPU
     one launch and no concatenation."""
-    kernel = KERNELS.rotate()
-    if kernel is not None and x.shape == y.shape and x.dtype == y.dtype and _kernel_takes(x, dtype):
+    kernel = _rotation_kernel(x, dtype) if x.shape == y.shape and x.dtype == y.dtype else None
+    if kernel is not None:
         return kernel.pair(x, y, dtype)
     return rotate_to(mx.concatenate([x, y]), dtype)
 
 
-def _kernel_takes(x: mx.array, dtype: mx.Dtype) -> bool:
-    from metal.cuda.rotate import is_supported  # CUDA only: imported once a kernel verdict exists
-    return is_supported(x, dtype)
+def _rotation_kernel(x: mx.array, dtype: mx.Dtype) -> Any:
+    """The GPU's rotation kernel where it takes ``x`` and ``dtype`` and its verdict is fused, else None."""
+    if mx.default_device() == mx.cpu:
+        return None
+    from metal.cuda.rotate import is_supported, slice_width  # a GPU's kernel: imported where one may run
+    if not is_supported(x, dtype):
+        return None
+    return KERNELS.rotate(x.dtype, dtype, slice_width(x.shape[-1]))
 
 
 def _std(m: mx.array, axis: int) -> mx.array:

@@ -130,6 +130,7 @@ class Kernels:
         self._backend_arg = backend
         self._decisions: dict[tuple, Decision] = {}
         self._cpu: CpuKernels | None = None
+        self._pinned_rotate: str | None = None
 
     @cached_property
     def backend(self) -> Backend | None:
@@ -292,18 +293,22 @@ class Kernels:
         return self._decided("ragged_decode")
 
     # ---- KVarN's rotation (GPU) ----
-    def rotate(self) -> RotateKernel | None:
+    def rotate(self, x_dtype: mx.Dtype, dtype: mx.Dtype, width: int) -> RotateKernel | None:
         """The rotation kernel (``metal.cuda.rotate``: one launch for a cast, the transform and a
-        cast, MLX's bits) where this backend has it and it gives MLX's bits here
-        (``rotate_mismatch_cuda``, checked once); else None: the caller runs MLX's operations."""
-        key = ("rotate",)
+        cast, MLX's bits) for inputs of ``x_dtype`` rotated in slices of ``width`` and rounded to
+        ``dtype``, where this backend has it and it gives MLX's bits here for that combination
+        (``rotate_mismatch_cuda``, checked at its first use: each combination is its own compiled
+        kernel); else None: the caller runs MLX's operations."""
+        key = ("rotate", x_dtype, dtype, width)
+        if key not in self._decisions and self._pinned_rotate is not None:
+            self._decisions[key] = Decision(self._pinned_rotate, False)
         if key not in self._decisions:
             b = self.backend
             if b is None or b.rotate is None:
                 decision = REFERENCE, None  # nothing to warn about: MLX's operations are the rotation
             else:
                 try:
-                    ok = rotate_mismatch_cuda(b.rotate) == 0.0
+                    ok = rotate_mismatch_cuda(b.rotate, x_dtype, dtype, width) == 0.0
                     decision = (b.verdict, None) if ok else (REFERENCE, (
                         "kvarn: the %s rotation kernel is off MLX's bits; rotations run MLX's operations", b.name))
                 except Exception as exc:  # noqa: BLE001 (a kernel that raises is not used)
@@ -313,16 +318,17 @@ class Kernels:
         return self.backend.rotate if self._decisions[key].path in FUSED else None
 
     def decided_rotate_path(self) -> str | None:
+        """The first verdict ``rotate`` reached (any combination), else None."""
         return self._decided("rotate")
 
     def pin_rotate_path(self, path: str) -> None:
-        """Fix the rotation's verdict without a self-check: "reference" (MLX's operations), or this
+        """Fix every rotation verdict without a self-check: "reference" (MLX's operations), or this
         backend's fused verdict where it has the kernel (benchmarks compare both). ValueError else."""
         b = self.backend
         allowed = {REFERENCE} | ({b.verdict} if b is not None and b.rotate is not None else set())
         if path not in allowed:
             raise ValueError(f"rotation path {path!r}: this backend gives one of {sorted(allowed)}")
-        self._decisions[("rotate",)] = Decision(path, False)
+        self._pinned_rotate = path
 
     # ---- the CPU's kernels ----
     def cpu(self) -> CpuKernels | None:
@@ -455,35 +461,30 @@ def rotate_mismatch(kernels: CpuKernels) -> float:
     return 0.0
 
 
-def rotate_mismatch_cuda(kernel: RotateKernel | None = None) -> float:
+def rotate_mismatch_cuda(kernel: RotateKernel | None = None, x_dtype: mx.Dtype = mx.bfloat16,
+                         dtype: mx.Dtype = mx.float16, width: int = 128) -> float:
     """0.0 where the rotation kernel (``metal.cuda.rotate``'s by default) gives the bits of MLX's
-    ``hadamard_transform`` in float32 and its casts (inputs and outputs of each float dtype,
-    slices of 128 and 64 channels, two slices a head, a transposed view, a pair, values past
-    float16's range), else infinity: windows and records must not depend on which one rotated."""
+    ``hadamard_transform`` in float32 and its casts for inputs of ``x_dtype`` rotated in slices of
+    ``width`` and rounded to ``dtype`` (a head of two slices where ``width`` is 128; a transposed
+    view, as a model's keys are; a pair; values past float16's range), else infinity: windows and
+    records must not depend on which one rotated."""
     if kernel is None:
         from metal.cuda import rotate
         kernel = RotateKernel(rotate.rotate_cast, rotate.rotate_pair)
 
-    def want(x: mx.array, dtype: mx.Dtype) -> mx.array:
-        W = min(x.shape[-1], 128)
+    def want(x: mx.array) -> mx.array:
         f = x.astype(mx.float32)
-        return mx.hadamard_transform(f.reshape(*f.shape[:-1], x.shape[-1] // W, W)).reshape(f.shape).astype(dtype)
+        return mx.hadamard_transform(f.reshape(*f.shape[:-1], f.shape[-1] // width, width)).reshape(f.shape).astype(dtype)
 
+    D = 2 * width if width == 128 else width
     k1, k2 = mx.random.split(mx.random.key(31))
-    base = mx.random.normal((2, 5, 4, 256), key=k1) * mx.linspace(0.1, 30.0, 256)
+    base = mx.random.normal((2, 5, 4, D), key=k1) * mx.linspace(0.1, 30.0, D)
     base = mx.concatenate([base, base[:1] * 3000.0])  # past float16's range once rotated
-    other = mx.random.normal((3, 5, 4, 256), key=k2)
-    for D in (256, 128, 64):
-        x, y = base[..., :D].transpose(0, 2, 1, 3), other[..., :D].transpose(0, 2, 1, 3)  # views, as a model's keys
-        for dt_in, dt_out in ((mx.bfloat16, mx.float16), (mx.float32, mx.float16), (mx.bfloat16, mx.bfloat16),
-                              (mx.float16, mx.float32)):
-            a, b = x.astype(dt_in), y.astype(dt_in)
-            if not mx.array_equal(kernel.cast(a, dt_out), want(a, dt_out), equal_nan=True).item():
-                return float("inf")
-            if not mx.array_equal(kernel.pair(a, b, dt_out), want(mx.concatenate([a, b]), dt_out),
-                                  equal_nan=True).item():
-                return float("inf")
-    return 0.0
+    x = base.transpose(0, 2, 1, 3).astype(x_dtype)  # a view, as a model's keys
+    y = mx.random.normal((3, 4, 5, D), key=k2).astype(x_dtype)
+    same = mx.array_equal(kernel.cast(x, dtype), want(x), equal_nan=True).item() and mx.array_equal(
+        kernel.pair(x, y, dtype), want(mx.concatenate([x, y])), equal_nan=True).item()
+    return 0.0 if same else float("inf")
 
 
 def rope_mismatch(kernels: CpuKernels) -> float:

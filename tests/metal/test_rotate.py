@@ -135,7 +135,9 @@ def test_launch_covers_every_vector():
 
 @needs_cuda
 def test_kernel_bits_on_the_gpu():
-    assert rotate_mismatch_cuda() == 0.0
+    for x_dtype, dtype, width in ((mx.bfloat16, mx.float16, 128), (mx.bfloat16, mx.bfloat16, 128),
+                                  (mx.float16, mx.float16, 64), (mx.float32, mx.float16, 128)):
+        assert rotate_mismatch_cuda(None, x_dtype, dtype, width) == 0.0
     B, L, H, D = 2, 9, 8, 128
     keys = sample((B, L, H, D), mx.bfloat16, seed=9).transpose(0, 2, 1, 3)
     assert bits_equal(rt.rotate_pair(keys, keys * 2, mx.float16), want(mx.concatenate([keys, keys * 2]), mx.float16))
@@ -143,13 +145,43 @@ def test_kernel_bits_on_the_gpu():
 
 def test_verdict_without_a_gpu_is_the_reference():
     kernels = Kernels(backend=None)
-    assert kernels.rotate() is None
+    assert kernels.rotate(mx.bfloat16, mx.float16, 128) is None
     assert kernels.decided_rotate_path() == "reference"
+
+
+def test_verdict_per_combination_from_the_check():
+    """Each (input dtype, output dtype, width) is decided by its own check, once; a kernel off MLX's
+    bits (here: one that rounds the wrong way) or one that raises is not used."""
+    from metal.selector import Backend, RotateKernel
+
+    calls = []
+
+    def cast(x, dtype):
+        calls.append(("cast", x.dtype, dtype))
+        return want(x, dtype)
+
+    def pair(x, y, dtype):
+        return want(mx.concatenate([x, y]), dtype)
+
+    good = Kernels(backend=Backend("Test", "cuda-fused", rotate=RotateKernel(cast, pair)))
+    assert good.rotate(mx.bfloat16, mx.float16, 128) is not None
+    assert good.rotate(mx.bfloat16, mx.float16, 128) is not None
+    assert good.rotate(mx.float16, mx.float16, 64) is not None
+    assert calls == [("cast", mx.bfloat16, mx.float16), ("cast", mx.float16, mx.float16)]
+    off = Kernels(backend=Backend("Test", "cuda-fused", rotate=RotateKernel(
+        lambda x, dtype: want(x, mx.bfloat16).astype(dtype), pair)))
+    assert off.rotate(mx.bfloat16, mx.float16, 128) is None
+
+    def broken(x, dtype):
+        raise RuntimeError("no compiler")
+
+    assert Kernels(backend=Backend("Test", "cuda-fused", rotate=RotateKernel(broken, pair))).rotate(
+        mx.float16, mx.float16, 128) is None
 
 
 def test_pinned_verdicts():
     kernels = Kernels(backend=None)
     kernels.pin_rotate_path("reference")
-    assert kernels.rotate() is None
+    assert kernels.rotate(mx.bfloat16, mx.float16, 128) is None
     with pytest.raises(ValueError, match="rotation path"):
         kernels.pin_rotate_path("cuda-fused")

@@ -35,6 +35,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <cmath>
 #include <type_traits>
 #if defined(__F16C__)
@@ -46,6 +49,8 @@
 #include <optional>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
@@ -198,9 +203,89 @@ inline float row_max(const float* a, int n) {
 }
 
 
-// fn(begin, end) over [0, n) split across up to hardware_concurrency threads (this one included)
-// where the work is worth the threads' start (~20 us each): MLX runs a CPU primitive on its one
-// stream thread, while its OpenBLAS products use every core.
+// Helper threads kept for the process (hardware_concurrency - 1 of them, started at the first
+// parallel_for): a primitive's parts run on them and on the calling thread. Starting and joining
+// threads for every call cost ~20-50 us each, and a decode step makes ~100 such calls (its few-row
+// products, attention, RoPE, SwiGLU). One caller at a time uses them; another (a second MLX stream)
+// runs its parts itself. A forked child starts its own helpers (the parent's are not in it).
+class Helpers {
+ public:
+  static Helpers* get() {
+    static std::mutex made;
+    static Helpers* pool = nullptr;
+    std::lock_guard<std::mutex> lock(made);
+    if (pool == nullptr || pool->owner_ != getpid()) {
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      pool = new Helpers(cores - 1);  // never freed: a forked child's copy of the parent's is left as is
+    }
+    return pool;
+  }
+
+  // part(i) for i in [0, parts): 0 on the caller, the others on the helpers (or the caller, once
+  // it is done with its own). False, having run nothing, where another caller holds the helpers.
+  template <class F>
+  bool run(int parts, F& part) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock()) return false;
+    const std::function<void(int)> job = [&part](int i) { part(i); };
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      job_ = &job;
+      parts_ = parts;
+      next_ = 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    part(0);
+    std::unique_lock<std::mutex> lock(m_);
+    take(lock);
+    done_.wait(lock, [&] { return next_ >= parts_ && running_ == 0; });
+    job_ = nullptr;
+    return true;
+  }
+
+ private:
+  explicit Helpers(int n) : owner_(getpid()) {
+    for (int i = 0; i < n; ++i) std::thread([this] { loop(); }).detach();
+  }
+
+  // run parts not yet taken (the lock held on entry and exit, released around each part)
+  void take(std::unique_lock<std::mutex>& lock) {
+    while (job_ != nullptr && next_ < parts_) {
+      const int i = next_++;
+      const std::function<void(int)>* job = job_;
+      ++running_;
+      lock.unlock();
+      (*job)(i);
+      lock.lock();
+      --running_;
+    }
+    if (next_ >= parts_ && running_ == 0) done_.notify_all();
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(m_);
+    uint64_t seen = generation_;
+    for (;;) {
+      wake_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      take(lock);
+    }
+  }
+
+  const pid_t owner_;
+  std::mutex busy_;  // held by the caller whose parts the helpers run
+  std::mutex m_;     // guards what follows
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* job_ = nullptr;
+  int parts_ = 0, next_ = 0, running_ = 0;
+  uint64_t generation_ = 0;
+};
+
+// fn(begin, end) over [0, n) split across up to hardware_concurrency threads (this one and the
+// helpers) where the work is worth waking them: MLX runs a CPU primitive on its one stream thread,
+// while its OpenBLAS products use every core. The split depends on n and the work only, so results
+// do not depend on which thread ran a part.
 constexpr int64_t MIN_WORK_PER_THREAD = 1 << 18;  // ~ multiply-adds: a few hundred microseconds
 
 template <class F>
@@ -212,15 +297,13 @@ void parallel_for(int64_t n, int64_t work_per_item, F&& fn) {
     fn(int64_t{0}, n);
     return;
   }
-  std::vector<std::thread> helpers;
-  helpers.reserve(threads - 1);
   const int64_t per = (n + threads - 1) / threads;
-  for (int64_t t = 1; t < threads; ++t) {
+  auto part = [&](int t) {
     const int64_t lo = t * per, hi = std::min(n, lo + per);
-    if (lo < hi) helpers.emplace_back([&fn, lo, hi] { fn(lo, hi); });
-  }
-  fn(int64_t{0}, std::min(n, per));
-  for (auto& h : helpers) h.join();
+    if (lo < hi) fn(lo, hi);
+  };
+  if (Helpers::get()->run(static_cast<int>(threads), part)) return;
+  for (int t = 0; t < threads; ++t) part(t);  // another caller holds the helpers
 }
 
 // ---------------------------------------------------------------------------------------------
