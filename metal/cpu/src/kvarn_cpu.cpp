@@ -35,6 +35,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -239,6 +240,11 @@ class Helpers {
     part(0);
     std::unique_lock<std::mutex> lock(m_);
     take(lock);
+    if (running_.load() != 0) {  // helpers still in their parts: spin briefly before sleeping
+      lock.unlock();
+      spin([&] { return running_.load(std::memory_order_acquire) == 0; });
+      lock.lock();
+    }
     done_.wait(lock, [&] { return next_ >= parts_ && running_ == 0; });
     job_ = nullptr;
     return true;
@@ -263,23 +269,34 @@ class Helpers {
     if (next_ >= parts_ && running_ == 0) done_.notify_all();
   }
 
+  // A step's primitives run back to back, so the next parts usually come within microseconds: a
+  // helper (and a caller waiting for one) spins that long before it sleeps on the condition.
+  template <class Ready>
+  static void spin(Ready ready) {
+    for (int i = 0; i < SPIN && !ready(); ++i) _mm_pause();
+  }
+
   void loop() {
-    std::unique_lock<std::mutex> lock(m_);
-    uint64_t seen = generation_;
+    uint64_t seen = 0;
     for (;;) {
-      wake_.wait(lock, [&] { return generation_ != seen; });
-      seen = generation_;
+      spin([&] { return generation_.load(std::memory_order_acquire) != seen; });
+      std::unique_lock<std::mutex> lock(m_);
+      wake_.wait(lock, [&] { return generation_.load() != seen; });
+      seen = generation_.load();
       take(lock);
     }
   }
+
+  static constexpr int SPIN = 2000;  // pauses: ~20-100 us
 
   const pid_t owner_;
   std::mutex busy_;  // held by the caller whose parts the helpers run
   std::mutex m_;     // guards what follows
   std::condition_variable wake_, done_;
   const std::function<void(int)>* job_ = nullptr;
-  int parts_ = 0, next_ = 0, running_ = 0;
-  uint64_t generation_ = 0;
+  int parts_ = 0, next_ = 0;
+  std::atomic<int> running_{0};  // parts being run (changed under m_, read outside it while spinning)
+  std::atomic<uint64_t> generation_{0};
 };
 
 // fn(begin, end) over [0, n) split across up to hardware_concurrency threads (this one and the
