@@ -166,7 +166,7 @@ def split_head(model: Any) -> tuple[Callable, Callable] | None:
 
 class CpuRoPE(nn.Module):
     """mlx-lm's ``nn.RoPE`` (not traditional) through the CPU kernels' rope: the same bits
-    (``metal.selector.rope_mismatch``) as one graph node a call instead of MLX's CPU fallback's
+    (``metal.self_checks.rope_mismatch``) as one graph node a call instead of MLX's CPU fallback's
     ~20 (a decode step of the bundled model: ~180 of its ~740 nodes). Anything it does not take
     (another dtype or rank) runs ``mx.fast.rope`` as ``nn.RoPE`` does."""
 

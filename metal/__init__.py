@@ -14,6 +14,7 @@
     records.py      the record fields and their block-major shapes; launch.py: minify, constant inputs
     device.py       the GPU's multiprocessor count, asked of the CUDA driver (the split plans' target)
     selector.py     which kernel runs: ``Kernels``, the one registry of verdicts
+    self_checks.py  the checks it runs before it trusts a kernel (against each kernel's reference)
 
 Which kernel runs is decided by ``KERNELS``, this process's ``metal.selector.Kernels``: each fused
 kernel once (the commit once per layout), at first use, by a self-check against its reference on

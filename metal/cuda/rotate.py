@@ -14,7 +14,7 @@ stages h = 1, 2, 4, ... in order, each element becoming a + b (the lower of its 
 runs the same stages in the same order: h = 1 and 2 between a lane's four values, the others
 between lanes (``__shfl_xor_sync``, which moves values exactly), then the same product. Float32
 addition is commutative bit for bit, so which lane holds a and which b does not change a result.
-``metal.selector.rotate_mismatch_cuda`` checks it against MLX before the kernel is used.
+``metal.self_checks.rotate_mismatch_cuda`` checks it against MLX before the kernel is used.
 
 Inputs are read in place through their strides (MLX hands the kernel each input's shape and
 strides; a model's keys and values are transposed views of its projections), never copied. The output is
@@ -35,7 +35,7 @@ from metal.sources import source
 THREADS = 256
 SUPPORTED_WIDTHS = (32, 64, 128)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-HEADER = source("cuda", "rotate.cuh")  # the loads and the rounded stores
+HEADER = source("cuda", "paged_decode.cuh")  # the paged decode's header: its loads (kv_f) and rounded stores (kv_store)
 SOURCE = source("cuda", "rotate.cu")  # the body: x (and y) -> out
 KERNEL_TEXT = (minify(HEADER), minify(SOURCE))  # what is compiled
 

@@ -31,7 +31,6 @@ FILES = {
         "ragged_decode.cuh": (CUDA_RAGGED, "HEADER"),
         "ragged_decode.cu": (CUDA_RAGGED, "ATTENTION_SOURCE"),
         "ragged_decode_combine.cu": (CUDA_RAGGED, "COMBINE_SOURCE"),
-        "rotate.cuh": (CUDA_ROTATE, "HEADER"),
         "rotate.cu": (CUDA_ROTATE, "SOURCE"),
     },
     "msl": {
@@ -56,7 +55,7 @@ KERNELS = [
     (CUDA_COMMIT, "KERNEL_TEXT", COMMIT_IO, "kc_matrix"),
     (CUDA_RAGGED, "_ATTENTION_TEXT", ATTENTION_IO, "rd_unpack"),
     (CUDA_RAGGED, "_COMBINE_TEXT", COMBINE_IO, "rd_store"),
-    (CUDA_ROTATE, "KERNEL_TEXT", ("INPUTS", "OUTPUTS"), "rt_store"),
+    (CUDA_ROTATE, "KERNEL_TEXT", ("INPUTS", "OUTPUTS"), "kv_store"),
     (MSL_PAGED, "_ATTENTION_TEXT", ATTENTION_IO, "kv_code"),
     (MSL_PAGED, "_COMBINE_TEXT", COMBINE_IO, None),
     (MSL_COMMIT, "KERNEL_TEXT", COMMIT_IO, "kc_matrix"),

@@ -18,10 +18,10 @@
   float a[4];
   if (second) {
     const long off = i0 * y_strides[0] + i1 * y_strides[1] + i2 * y_strides[2];
-    for (int j = 0; j < 4; ++j) a[j] = rt_f(y[off + (c0 + j) * y_strides[3]]);
+    for (int j = 0; j < 4; ++j) a[j] = kv_f(y[off + (c0 + j) * y_strides[3]]);
   } else {
     const long off = i0 * x_strides[0] + i1 * x_strides[1] + i2 * x_strides[2];
-    for (int j = 0; j < 4; ++j) a[j] = live ? rt_f(x[off + (c0 + j) * x_strides[3]]) : 0.0f;
+    for (int j = 0; j < 4; ++j) a[j] = live ? kv_f(x[off + (c0 + j) * x_strides[3]]) : 0.0f;
   }
   float p = a[0], q = a[1];
   a[0] = p + q; a[1] = p - q;
@@ -40,5 +40,5 @@
   }
   if (live) {
     const float sc = scale[0];
-    for (int j = 0; j < 4; ++j) rt_store(out + v * W + 4 * l + j, a[j] * sc);
+    for (int j = 0; j < 4; ++j) kv_store(out + v * W + 4 * l + j, a[j] * sc);
   }
