@@ -93,13 +93,18 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvarn")
 
 
+def include_flags(mlx_dir: Path, nb_dir: Path) -> list[str]:
+    """The header folders the source compiles against: nanobind's, Python's and MLX's."""
+    return [f"-I{nb_dir / 'include'}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}"]
+
+
 def _compile(compiler: str, text: str, mlx_dir: Path, nb_dir: Path, target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / SOURCE
         src.write_text(text, encoding="utf-8")
         out = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, f"-I{nb_dir / 'include'}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
-               f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_dir / 'include'}", str(src),
+        cmd = [compiler, *FLAGS, *include_flags(mlx_dir, nb_dir), str(src),
                str(nb_dir / "src" / "nb_combined.cpp"), f"-L{mlx_dir / 'lib'}", "-lmlx",
                f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
         try:

@@ -38,6 +38,8 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 HEADER = source("cuda", "paged_decode.cuh")  # the paged decode's header: its loads (kv_f) and rounded stores (kv_store)
 SOURCE = source("cuda", "rotate.cu")  # the body: x (and y) -> out
 KERNEL_TEXT = (minify(HEADER), minify(SOURCE))  # what is compiled
+INPUTS = ("x", "y", "scale")
+OUTPUTS = ("out",)
 
 
 def slice_width(head_dim: int) -> int:
@@ -65,10 +67,6 @@ def _scale(width: int) -> mx.array:
 def _kernel():
     return mx.fast.cuda_kernel(name="kvarn_rotate", input_names=list(INPUTS), output_names=list(OUTPUTS),
                                source=KERNEL_TEXT[1], header=KERNEL_TEXT[0], ensure_row_contiguous=False)
-
-
-INPUTS = ("x", "y", "scale")
-OUTPUTS = ("out",)
 
 
 def launch(x: mx.array, y: mx.array | None, dtype: mx.Dtype) -> tuple:

@@ -558,3 +558,22 @@ def test_decode_attention_rotating_inside_gives_the_bits_of_rotating_around_it(k
     assert mx.array_equal(inside, around).item()
     traced = mx.compile(lambda x: kernels.decode_attention(x, scale=case.scale, **kw))(q)
     assert mx.array_equal(traced, around).item()
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="checks an x86-64 build without vector extensions")
+def test_the_source_compiles_for_a_cpu_without_f16c_or_avx2():
+    """``-march=native`` builds for the host: on a CPU without F16C or AVX2 (or another
+    architecture) every intrinsic must sit behind its feature test, or the kernels do not build
+    there and that machine falls back to the pure-MLX paths. A syntax-only compile for baseline
+    x86-64 (SSE2) catches one that does not."""
+    import subprocess
+    import nanobind
+    from metal.sources import source
+
+    compiler = build.shutil.which("g++") or build.shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    flags = [f for f in build.FLAGS if not f.startswith("-march")] + ["-march=x86-64", "-fsyntax-only", "-x", "c++", "-"]
+    done = subprocess.run([compiler, *flags, *build.include_flags(Path(mx.__file__).parent, Path(nanobind.__file__).parent)],
+                          input=source("cpu", build.SOURCE), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -36,10 +36,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
-#include <cmath>
 #include <type_traits>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -273,7 +273,15 @@ class Helpers {
   // helper (and a caller waiting for one) spins that long before it sleeps on the condition.
   template <class Ready>
   static void spin(Ready ready) {
-    for (int i = 0; i < SPIN && !ready(); ++i) _mm_pause();
+    for (int i = 0; i < SPIN && !ready(); ++i) relax();
+  }
+
+  static void relax() {  // the CPU's spin-wait hint (any architecture: the build is -march=native)
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
   }
 
   void loop() {
